@@ -1,0 +1,46 @@
+"""Packaging for verl_comm (communication toolkit) and verl_ppo (PPO trainer).
+
+The Triton kernels live in the top-level ``kernels/`` folder but install as
+``verl_comm.kernels`` so that no bare ``kernels`` module shadows the PyPI
+distribution of that name (transformers probes for it).
+"""
+
+from setuptools import find_packages, setup
+
+_comm = find_packages(include=["verl_comm", "verl_comm.*"])
+_ppo = find_packages(include=["verl_ppo", "verl_ppo.*"])
+
+setup(
+    name="verl-comm-ppo",
+    version="0.1.0",
+    description="Compressed gradient communication, NCCL tuning and a resharding PPO trainer",
+    python_requires=">=3.10,<3.13",
+    packages=_comm + _ppo + ["verl_comm.kernels"],
+    package_dir={"verl_comm.kernels": "kernels"},
+    package_data={"verl_ppo": ["py.typed"], "verl_comm": ["py.typed", "nccl/data/*"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.16,<0.20",
+        "triton>=3.0",
+        "transformers>=4.46",
+        "pydantic>=2.6,<3",
+        "numpy>=1.24,<2.4",
+        "pyyaml>=6",
+        "reasoning-gym>=0.1.19",
+        "gguf>=0.10",
+        "accelerate>=0.34",
+        "tqdm>=4.66",
+        "matplotlib>=3.7",
+        "prometheus-client>=0.20",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+    },
+    entry_points={
+        "console_scripts": [
+            "verl-ppo=verl_ppo.cli:main",
+            "verl-comm=verl_comm.cli:main",
+        ]
+    },
+)
