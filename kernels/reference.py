@@ -1,0 +1,294 @@
+"""Torch references of the int8 block kernels (public; used on CPU and by the tests).
+
+They follow the scheme in :mod:`verl_comm.kernels._common` operation for operation, so the
+Triton kernels must match them bit for bit (codes and scales; residuals and dequantized
+values too, since every step is one IEEE fp32 operation in the same order). They run on any
+device: on CUDA they are the "eager torch" baseline of the benchmark.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import (
+    FLOAT_DTYPES,
+    QMAX,
+    TINY,
+    check_block,
+    check_codes_scales,
+    check_float_input,
+    resolve_pad,
+)
+
+_MASK32 = 0xFFFFFFFF
+# Philox-4x32-10 constants, as in triton/language/random.py.
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+
+
+def _umulhi32(a: int, b: torch.Tensor) -> torch.Tensor:
+    """High 32 bits of ``a * b`` for a 32-bit constant ``a`` and uint32 values in int64 ``b``."""
+    ah, al = a >> 16, a & 0xFFFF
+    t = ah * b + ((al * b) >> 16)  # == (a * b) >> 16, below 2**49
+    return t >> 16
+
+
+def philox_uniform_ref(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """Triton's ``tl.rand(seed, counters)`` reproduced in torch (bit for bit).
+
+    Philox-4x32 with 10 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
+    SC'11), key = (seed low 32 bits, seed high 32 bits), counter = (counter low 32 bits,
+    counter high 32 bits, 0, 0); the first output word, read as int32 ``x``, maps to
+    ``float32(x if x >= 0 else -x - 1) * 4.6566127342e-10`` in [0, 1).
+
+    Args:
+        seed: integer in [0, 2**63).
+        counters: int64 tensor of non-negative counters, any shape.
+
+    Returns:
+        float32 tensor of the same shape and device.
+    """
+    if counters.dtype != torch.int64:
+        raise TypeError(f"counters must be int64, got {counters.dtype}")
+    c0 = counters & _MASK32
+    c1 = (counters >> 32) & _MASK32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        _c0, _c2 = c0, c2
+        c0 = _umulhi32(_ROUND_B, _c2) ^ c1 ^ k0
+        c2 = _umulhi32(_ROUND_A, _c0) ^ c3 ^ k1
+        c1 = (_ROUND_B * _c2) & _MASK32
+        c3 = (_ROUND_A * _c0) & _MASK32
+        k0 = (k0 + _KEY_A) & _MASK32
+        k1 = (k1 + _KEY_B) & _MASK32
+    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # as int32
+    x = torch.where(x < 0, -x - 1, x).to(torch.int32)
+    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+
+
+def _quantize_blocks(
+    v: torch.Tensor, *, stochastic: bool = False, seed: int = 0, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize fp32 ``v`` of shape ``(nblocks, block)``.
+
+    Returns ``(codes_f, scales, ok)``: fp32 integer-valued codes ``(nblocks, block)``, fp32
+    scales ``(nblocks,)`` and the mask of blocks that were quantized normally.
+    """
+    a = v.abs()
+    absmax = a.amax(dim=1)
+    bad = ~(a <= torch.finfo(torch.float32).max).all(dim=1)  # NaN or Inf anywhere in the block
+    ok = ~bad & (absmax >= TINY)
+    safe = torch.where(ok, absmax, torch.ones_like(absmax))
+    scale = torch.where(ok, safe / QMAX, torch.zeros_like(absmax))
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
+    inv = torch.where(ok, QMAX / safe, torch.zeros_like(absmax))
+    q = v * inv[:, None]
+    if stochastic:
+        counters = offset + torch.arange(v.numel(), device=v.device, dtype=torch.int64)
+        u = philox_uniform_ref(seed, counters).view_as(v)
+        c = torch.floor(q + u)
+    else:
+        c = torch.round(q)  # round half to even
+    c = c.clamp(-QMAX, QMAX)
+    c = torch.where(ok[:, None], c, torch.zeros_like(c))
+    return c, scale, ok
+
+
+def _check_seed(seed: int, offset: int) -> None:
+    if not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    if not isinstance(offset, int) or not 0 <= offset < 2**62:
+        raise ValueError(f"offset must be an int in [0, 2**62), got {offset!r}")
+
+
+def _padded_fp32(x: torch.Tensor, n_pad: int) -> torch.Tensor:
+    v = torch.zeros(n_pad, dtype=torch.float32, device=x.device)
+    v[: x.numel()] = x.reshape(-1).to(torch.float32)
+    return v
+
+
+def quantize_ref(
+    x: torch.Tensor,
+    block: int = 128,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    pad_to: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absmax int8 block quantization (torch reference of :func:`verl_comm.kernels.quantize`).
+
+    Args:
+        x: contiguous fp32/bf16/fp16 tensor of N elements (flattened).
+        block: block size B in {32, 64, 128, 256}.
+        stochastic: round ``floor(q + u)``, ``u = tl.rand(seed, offset + i)`` (unbiased),
+            instead of round-half-to-even.
+        seed, offset: Philox seed in [0, 2**63) and counter offset; element ``i`` of the padded
+            input uses counter ``offset + i``. Advance ``offset`` by ``N_pad`` between calls.
+        pad_to: ``N_pad`` (>= N, multiple of B); default ``padded_numel(N, B)``.
+
+    Returns:
+        ``codes`` int8 ``(N_pad,)`` in [-127, 127] and ``scales`` fp32 ``(N_pad // B,)``,
+        ``scale = absmax / 127``. Padding elements are zeros (their codes are 0).
+        Error bound per element: ``scale / 2`` (nearest), ``< scale`` (stochastic).
+        A block with NaN/Inf gets scale NaN and codes 0; an all-zero block scale 0, codes 0.
+
+    Raises:
+        TypeError / ValueError: wrong dtype, non-contiguous input, bad block, pad_to, seed.
+    """
+    check_float_input("x", x)
+    check_block(block)
+    _check_seed(seed, offset)
+    n_pad = resolve_pad(x.numel(), block, pad_to)
+    v = _padded_fp32(x, n_pad).view(-1, block)
+    c, scale, _ = _quantize_blocks(v, stochastic=stochastic, seed=seed, offset=offset)
+    return c.to(torch.int8).view(-1), scale
+
+
+def quantize_ef_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    block: int = 128,
+    *,
+    pad_to: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x + residual`` with error feedback (reference of ``quantize_ef``).
+
+    Args:
+        x: contiguous fp32/bf16/fp16 tensor of N elements.
+        residual: contiguous tensor of N elements, dtype ``x.dtype`` or fp32. Updated IN PLACE
+            to ``(x + residual) - dequant(codes)`` (computed in fp32, then cast to its dtype).
+        block, pad_to: as in :func:`quantize_ref` (nearest rounding only).
+
+    Returns:
+        ``(codes int8 (N_pad,), scales fp32 (N_pad // B,))`` of ``v = float32(x) +
+        float32(residual)``. Identity: ``v == dequant(codes) + residual_new`` up to one fp32
+        rounding (exact before the cast of the residual to a 16-bit dtype).
+
+    Raises:
+        TypeError / ValueError: as :func:`quantize_ref`, or residual of wrong dtype/size/device.
+    """
+    check_float_input("x", x)
+    check_residual(x, residual)
+    check_block(block)
+    n = x.numel()
+    n_pad = resolve_pad(n, block, pad_to)
+    v = _padded_fp32(x, n_pad)
+    v[:n] += residual.reshape(-1).to(torch.float32)
+    v = v.view(-1, block)
+    c, scale, _ = _quantize_blocks(v)
+    r_new = (v - c * scale[:, None]).view(-1)[:n]
+    residual.view(-1).copy_(r_new)
+    return c.to(torch.int8).view(-1), scale
+
+
+def check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    """Raise a clear error unless ``residual`` can carry the error feedback of ``x``."""
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    if residual.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"residual must be {x.dtype} (like x) or float32, got {residual.dtype}")
+    if residual.numel() != x.numel():
+        raise ValueError(f"residual must have {x.numel()} elements like x, got {residual.numel()}")
+    if residual.device != x.device:
+        raise ValueError(f"residual ({residual.device}) must be on x's device ({x.device})")
+    if not residual.is_contiguous():
+        raise ValueError("residual must be contiguous (it is updated in place)")
+
+
+def resolve_dequant_out(
+    codes: torch.Tensor,
+    rows: int,
+    m: int,
+    out_dtype: torch.dtype,
+    numel: int | None,
+    out: torch.Tensor | None,
+) -> tuple[int, torch.Tensor]:
+    """Validate ``numel``/``out`` of a dequantize call; return ``(numel, out tensor)``."""
+    total = rows * m
+    if numel is None:
+        numel = total
+    if not isinstance(numel, int) or not 0 <= numel <= total:
+        raise ValueError(
+            f"numel must be an int in [0, {total}] (codes hold {total}), got {numel!r}"
+        )
+    if out is None:
+        if out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+        return numel, torch.empty(numel, dtype=out_dtype, device=codes.device)
+    if not isinstance(out, torch.Tensor) or out.dtype not in FLOAT_DTYPES:
+        raise TypeError("out must be a float32/bfloat16/float16 tensor")
+    if out.numel() != numel or not out.is_contiguous() or out.device != codes.device:
+        raise ValueError(
+            f"out must be contiguous with {numel} elements on {codes.device}, got "
+            f"{out.numel()} elements, contiguous={out.is_contiguous()}, device={out.device}"
+        )
+    return numel, out
+
+
+def dequantize_ref(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int = 128,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    scale: float = 1.0,
+    numel: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(codes * scales) * scale`` in fp32, cast to the output dtype (reference of ``dequantize``).
+
+    Args:
+        codes: int8 ``(M,)`` or ``(R, M)`` (rows may be strided, last dim stride 1).
+        scales: fp32 ``(M // B,)`` or ``(R, M // B)``.
+        block: block size B.
+        out_dtype: fp32/bf16/fp16 (ignored when ``out`` is given: ``out.dtype`` is used).
+        scale: extra factor, e.g. ``1 / W`` to average.
+        numel: keep only the first ``numel`` of the ``R * M`` values (drop padding).
+        out: optional contiguous ``(numel,)`` float tensor written in place.
+
+    Returns:
+        ``(numel,)`` tensor (``out`` if given); row-major over ``(R, M)``.
+    """
+    rows, m = check_codes_scales(codes, scales, block, batched=None)
+    numel, out = resolve_dequant_out(codes, rows, m, out_dtype, numel, out)
+    c = codes.reshape(rows, m // block, block).to(torch.float32)
+    y = c * scales.reshape(rows, m // block, 1)
+    if scale != 1.0:
+        y = y * torch.tensor(scale, dtype=torch.float32)
+    out.copy_(y.reshape(-1)[:numel])
+    return out
+
+
+def dequant_sum_requant_ref(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int = 128,
+    *,
+    return_sum: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Owner step of a quantized reduce-scatter (reference of ``dequant_sum_requant``).
+
+    ``sum = sum_w codes[w] * scales[w]`` accumulated in fp32 in the order w = 0..W-1, then
+    requantized with nearest rounding like :func:`quantize_ref`.
+
+    Args:
+        codes: int8 ``(W, M)`` (rows may be strided, last dim stride 1), M a multiple of B.
+        scales: fp32 ``(W, M // B)``.
+        block: block size B.
+        return_sum: also return the fp32 sum ``(M,)``.
+
+    Returns:
+        ``(codes int8 (M,), scales fp32 (M // B,))`` or ``(codes, scales, sum)``. A non-finite
+        input scale makes the output scale of that block NaN.
+    """
+    w_count, m = check_codes_scales(codes, scales, block, batched=True)
+    nb = m // block
+    acc = torch.zeros(nb, block, dtype=torch.float32, device=codes.device)
+    for w in range(w_count):
+        acc = acc + codes[w].reshape(nb, block).to(torch.float32) * scales[w].reshape(nb, 1)
+    c, scale, _ = _quantize_blocks(acc)
+    result = (c.to(torch.int8).view(-1), scale)
+    return (*result, acc.view(-1)) if return_sum else result
