@@ -1,0 +1,109 @@
+"""Rule-based rewards from reasoning-gym's own scorers.
+
+Each entry names its dataset in ``entry["metadata"]["source_dataset"]``; the scorer is
+that dataset's ``score_answer(answer, entry) -> float in [0, 1]``
+(``reasoning_gym.get_score_answer_fn``). The answer is first extracted from the
+completion: by default the text inside the last ``<answer>...</answer>`` pair (the
+format the prompts ask for); a completion with no such pair scores as ``answer=None``
+(reward 0 with reasoning-gym's scorers).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from verl_ppo.reward.base import RewardBatch, RewardError
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+
+
+def extract_tagged_answer(text: str) -> str | None:
+    """The stripped text inside the last ``<answer>...</answer>`` pair, or None.
+
+    The last pair wins because models often restate the format before answering.
+    """
+    matches = _ANSWER_RE.findall(text)
+    return matches[-1].strip() if matches else None
+
+
+class RuleReward:
+    """Reasoning-gym scorers as a :class:`~verl_ppo.reward.base.RewardModel`.
+
+    Args:
+        extract_fn: completion text -> answer string or None. Default
+            :func:`extract_tagged_answer`; the trainer may pass
+            ``verl_ppo.data.tasks.extract_answer`` so prompts and extraction agree.
+        datasets: optional ``{dataset_name: dataset}`` whose ``score_answer`` is used for
+            entries of that name (e.g. a dataset built with a non-default config).
+        score_fn: optional ``(completion_text, entry) -> float`` that replaces
+            extraction and scorer lookup entirely (e.g. a Task's own scorer).
+
+    ``score`` returns float32 ``(B,)`` rewards in [0, 1] (whatever range ``score_fn``
+    returns, when given).
+
+    Raises:
+        RewardError: from ``score`` if an entry has no ``metadata.source_dataset`` (and
+            no ``score_fn``), the dataset is unknown to reasoning-gym, or a scorer fails;
+            the message names the sample index.
+    """
+
+    name = "rule"
+
+    def __init__(
+        self,
+        extract_fn: Callable[[str], str | None] | None = None,
+        datasets: Mapping[str, Any] | None = None,
+        score_fn: Callable[[str, dict], float] | None = None,
+    ) -> None:
+        self.extract_fn = extract_fn or extract_tagged_answer
+        self.score_fn = score_fn
+        self._scorers: dict[str, Callable[..., float]] = {
+            name: ds.score_answer for name, ds in (datasets or {}).items()
+        }
+        self._lock = threading.Lock()
+
+    def _scorer(self, name: str) -> Callable[..., float]:
+        with self._lock:
+            fn = self._scorers.get(name)
+            if fn is None:
+                import reasoning_gym
+
+                try:
+                    fn = reasoning_gym.get_score_answer_fn(name)
+                except ValueError as exc:
+                    raise RewardError(
+                        f"reasoning-gym has no dataset {name!r} to score with; pass "
+                        f"datasets={{{name!r}: ds}} or score_fn=..."
+                    ) from exc
+                self._scorers[name] = fn
+            return fn
+
+    def score_one(self, completion: str, entry: dict) -> float:
+        """Reward of one completion for one task entry (a float, [0, 1] for rg scorers)."""
+        if self.score_fn is not None:
+            return float(self.score_fn(completion, entry))
+        meta = entry.get("metadata")
+        name = meta.get("source_dataset") if isinstance(meta, dict) else None
+        if not isinstance(name, str):
+            raise RewardError(
+                "entry has no metadata.source_dataset naming its reasoning-gym dataset; "
+                "pass score_fn=... to RuleReward for entries of other origin"
+            )
+        return float(self._scorer(name)(answer=self.extract_fn(completion), entry=entry))
+
+    def score(self, batch: RewardBatch) -> torch.Tensor:
+        """Float32 ``(B,)`` rewards for ``batch.responses`` against ``batch.entries``."""
+        out = []
+        for i, (text, entry) in enumerate(zip(batch.responses, batch.entries)):
+            try:
+                out.append(self.score_one(text, entry))
+            except RewardError as exc:
+                raise RewardError(f"sample {i}: {exc}") from exc
+            except Exception as exc:
+                raise RewardError(f"sample {i}: scorer raised {exc!r}") from exc
+        return torch.tensor(out, dtype=torch.float32)
