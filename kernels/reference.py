@@ -81,9 +81,12 @@ def _quantize_blocks(
     bad = ~(a <= torch.finfo(torch.float32).max).all(dim=1)  # NaN or Inf anywhere in the block
     ok = ~bad & (absmax >= TINY)
     safe = torch.where(ok, absmax, torch.ones_like(absmax))
-    scale = torch.where(ok, safe / QMAX, torch.zeros_like(absmax))
+    # Tensor / tensor divisions: torch turns `127 / t` into `t.reciprocal() * 127` and, on
+    # CUDA, `t / 127` into `t * (1 / 127)`; both round differently from one IEEE division.
+    qmax = torch.full_like(safe, float(QMAX))
+    scale = torch.where(ok, safe / qmax, torch.zeros_like(absmax))
     scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
-    inv = torch.where(ok, QMAX / safe, torch.zeros_like(absmax))
+    inv = torch.where(ok, qmax / safe, torch.zeros_like(absmax))
     q = v * inv[:, None]
     if stochastic:
         counters = offset + torch.arange(v.numel(), device=v.device, dtype=torch.int64)

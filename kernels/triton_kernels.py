@@ -76,7 +76,7 @@ def _quantize_kernel(
     tl.store(scales_ptr + rows, scale, mask=row_ok)
     if HAS_RESIDUAL:
         r_new = v - c * scale[:, None]
-        tl.store(r_ptr + idx, r_new.to(r_ptr.dtype.element_ty), mask=in_mask)
+        tl.store(r_ptr + idx, _cast_out(r_new, r_ptr.dtype.element_ty), mask=in_mask)
 
 
 @triton.jit
@@ -145,7 +145,20 @@ def _dequantize_kernel(
     if APPLY_FACTOR:
         y = y * factor
     out_idx = blk[:, None] * BLOCK + cols[None, :]
-    tl.store(out_ptr + out_idx, y.to(out_ptr.dtype.element_ty), mask=out_idx < numel)
+    tl.store(out_ptr + out_idx, _cast_out(y, out_ptr.dtype.element_ty), mask=out_idx < numel)
+
+
+@triton.jit
+def _cast_out(y, DT: tl.constexpr):
+    """Cast fp32 ``y`` to ``DT`` rounding to nearest even (bf16 done by hand: the interpreter
+    truncates, the GPU rounds; this way both give torch's ``.to(torch.bfloat16)``)."""
+    if DT == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        half = tl.where(y != y, 0x7FC0, bits >> 16).to(tl.uint16)
+        return half.to(tl.bfloat16, bitcast=True)
+    else:
+        return y.to(DT)
 
 
 def grid_1d(nblocks: int, blocks_per_prog: int) -> tuple[int]:
