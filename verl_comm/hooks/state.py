@@ -1,0 +1,397 @@
+"""State of the verl_comm DDP communication hooks.
+
+One :class:`CommHookState` serves every hook of :mod:`verl_comm.hooks` (as torch's
+``PowerSGDState`` serves ``powerSGD_hook``): the process group (None = WORLD), the tunables
+(a :class:`~verl_comm.compression.CompressionConfig`), per-bucket error-feedback residuals
+and low-rank Q factors keyed by ``bucket.index()``, the iteration counter, the RNG of the
+low-rank start vectors, the adaptive policy's link model and decisions, and per-bucket
+statistics. ``state_dict()`` / ``load_state_dict()`` round-trip it without the group; the
+object pickles without the group too (it is re-bound to WORLD on unpickling).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_comm.compression.collective import Collective, LocalCollective, ProcessGroupCollective
+from verl_comm.compression.config import CompressionConfig
+from verl_comm.compression.lowrank import LowRankBucketState, LowRankPlan
+from verl_comm.compression.policy import LinkModel, PolicyDecision
+from verl_comm.telemetry import CommRecord, CommRecorder
+
+logger = logging.getLogger("verl_comm.hooks")
+
+STATE_FORMAT = 1
+"""Version of the :meth:`CommHookState.state_dict` layout."""
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A reduced gradient bucket held NaN/Inf (raised on every rank, ``nonfinite='raise'``).
+
+    Attributes:
+        bucket_indices: the offending ``bucket.index()`` values.
+        iteration: the hook iteration (number of completed reductions) of the failure.
+    """
+
+    def __init__(self, bucket_indices: list[int], iteration: int) -> None:
+        self.bucket_indices = bucket_indices
+        self.iteration = iteration
+        super().__init__(
+            f"non-finite (NaN/Inf) gradient in bucket(s) {bucket_indices} at comm-hook "
+            f"iteration {iteration}: at least one rank produced NaN/Inf; fix the loss scale "
+            "or learning rate, or set nonfinite='skip' to drop the update of such buckets"
+        )
+
+
+@dataclass
+class BucketStats:
+    """Statistics of one bucket reduction as seen by this rank.
+
+    Attributes:
+        index: ``bucket.index()``. iteration: hook iteration. method: path taken (``allreduce``,
+        ``fp16``, ``bf16``, ``int8``, ``lowrank_int8``). numel, dtype: of the bucket buffer.
+        wire_bytes: bytes this rank sent. plain_bytes: bytes a ring all-reduce of the buffer
+        in its own dtype would send. compression_ratio: ``plain_bytes / wire_bytes``.
+        time_s: seconds of the hook's work (device time via CUDA events on GPU).
+        rel_error: ``||M - M^|| / ||M||`` of this rank's input (M with error feedback; for
+        int8 the local quantization error), None when not tracked. residual_norm: L2 norm of
+        the new error-feedback residual, None without error feedback. finite: the reduced
+        bucket was finite. skipped: the update was zeroed (``nonfinite='skip'``).
+    """
+
+    index: int
+    iteration: int
+    method: str
+    numel: int
+    dtype: str
+    wire_bytes: int
+    plain_bytes: int
+    compression_ratio: float
+    time_s: float
+    rel_error: float | None
+    residual_norm: float | None
+    finite: bool
+    skipped: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serialisable)."""
+        return asdict(self)
+
+
+@dataclass
+class BucketState:
+    """Per-bucket compressor state (this rank's; residuals differ between ranks).
+
+    Attributes:
+        signature: ``(numel, dtype, param shapes)`` of the bucket the state was built for.
+        meta: ``(method, rank, block, residual dtype, error feedback)`` it was built with.
+        residual: int8 path error-feedback residual ``(numel,)``.
+        lowrank: low-rank residuals and Q factors. plan: the low-rank split of the bucket.
+        decision: the adaptive policy's decision for this bucket, if taken.
+    """
+
+    signature: tuple
+    meta: tuple
+    residual: torch.Tensor | None = None
+    lowrank: LowRankBucketState = field(default_factory=LowRankBucketState)
+    plan: LowRankPlan | None = None
+    decision: PolicyDecision | None = None
+
+    def reset(self) -> None:
+        """Drop residuals and Q factors (a fresh start for this bucket)."""
+        self.residual = None
+        self.lowrank = LowRankBucketState()
+
+    def tensors_to(self, device: torch.device) -> None:
+        """Move the state's tensors to ``device`` (after loading from another device)."""
+        if self.residual is not None:
+            self.residual = self.residual.to(device)
+        lr = self.lowrank
+        lr.qs = [None if q is None else q.to(device) for q in lr.qs]
+        lr.residuals = [None if r is None else r.to(device) for r in lr.residuals]
+        if lr.rest_residual is not None:
+            lr.rest_residual = lr.rest_residual.to(device)
+
+    def nbytes(self) -> int:
+        """Bytes of tensors held (error-feedback residuals and Q factors)."""
+        ts = [self.residual, self.lowrank.rest_residual, *self.lowrank.qs]
+        ts += self.lowrank.residuals
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+class CommHookState:
+    """State object passed as ``state`` to every hook of :mod:`verl_comm.hooks`.
+
+    Args:
+        process_group: group the gradients are averaged over; None = WORLD. Must be the
+            group DDP uses.
+        config: tunables; default ``CompressionConfig()`` (the single source of defaults).
+        recorder: optional :class:`~verl_comm.telemetry.CommRecorder`; one
+            :class:`~verl_comm.telemetry.CommRecord` per bucket and step is appended.
+        seed: seed of the CPU generator drawing low-rank start vectors (must be equal on
+            all ranks, so that Q starts identical everywhere).
+        collect_stats: compute relative error and residual norms (two extra reductions over
+            the bucket per step); bytes, time and finiteness are always tracked.
+
+    Attributes:
+        iteration: completed reductions (incremented on ``bucket.is_last()``).
+        last_stats: ``{bucket index: BucketStats}`` of the latest completed step.
+        nonfinite_events: ``(iteration, bucket index)`` of every non-finite bucket seen.
+        link: the adaptive policy's :class:`~verl_comm.compression.LinkModel` once measured.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        config: CompressionConfig | None = None,
+        *,
+        recorder: CommRecorder | None = None,
+        seed: int = 0,
+        collect_stats: bool = True,
+    ) -> None:
+        self.process_group = process_group
+        self.config = config if config is not None else CompressionConfig()
+        self.recorder = recorder
+        self.seed = seed
+        self.collect_stats = collect_stats
+        self.iteration = 0
+        self.generator = torch.Generator().manual_seed(seed)
+        self.buckets: dict[int, BucketState] = {}
+        self.last_stats: dict[int, BucketStats] = {}
+        self.nonfinite_events: list[tuple[int, int]] = []
+        self.link: LinkModel | None = None
+        self._coll: Collective | None = None
+        self._pending: list[dict[str, Any]] = []
+        self._streams: dict[torch.device, Any] = {}
+        self._deferred: dict[str, Any] | None = None
+
+    # -- transport -------------------------------------------------------------------
+    @property
+    def collective(self) -> Collective:
+        """The blocking collective over ``process_group`` (W = 1 without torch.distributed)."""
+        if self._coll is None:
+            if dist.is_available() and dist.is_initialized():
+                self._coll = ProcessGroupCollective(self.process_group)
+            else:
+                self._coll = LocalCollective()
+        return self._coll
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks W the gradients are averaged over."""
+        return self.collective.world_size
+
+    def recalibrate(self) -> None:
+        """Make ``policy: auto`` re-measure the link and every bucket at the next step."""
+        self.link = None
+        for b in self.buckets.values():
+            b.decision = None
+
+    def ef_state_nbytes(self) -> int:
+        """Bytes of error-feedback residuals and Q factors held by this rank."""
+        return sum(b.nbytes() for b in self.buckets.values())
+
+    # -- bucket state ----------------------------------------------------------------
+    def bucket_state(self, index: int, signature: tuple, meta: tuple) -> BucketState:
+        """The state of bucket ``index``; a changed layout or method resets it (warning)."""
+        bs = self.buckets.get(index)
+        if bs is not None and (bs.signature != signature or bs.meta != meta):
+            if bs.nbytes() or bs.decision is not None:
+                warnings.warn(
+                    f"comm hook: bucket {index} changed (layout {bs.signature[:2]} -> "
+                    f"{signature[:2]} or method {bs.meta} -> {meta}); its error-feedback "
+                    "state is reset",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            bs = None
+        if bs is None:
+            bs = BucketState(signature, meta)
+            self.buckets[index] = bs
+        return bs
+
+    # -- checkpointing ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-identically, without the process group.
+
+        Returns:
+            dict with ``format``, ``world_size``, ``iteration``, ``seed``, ``generator``
+            (uint8 RNG state), ``config`` (dict), ``link`` and ``buckets`` (per index:
+            signature, meta, tensors cloned on their device, decision). Save it per rank
+            (residuals differ between ranks).
+        """
+        buckets = {}
+        for idx, b in self.buckets.items():
+            buckets[idx] = {
+                "signature": b.signature,
+                "meta": b.meta,
+                "residual": _clone(b.residual),
+                "qs": [_clone(q) for q in b.lowrank.qs],
+                "residuals": [_clone(r) for r in b.lowrank.residuals],
+                "rest_residual": _clone(b.lowrank.rest_residual),
+                "decision": None if b.decision is None else b.decision.to_dict(),
+            }
+        return {
+            "format": STATE_FORMAT,
+            "world_size": self.world_size,
+            "iteration": self.iteration,
+            "seed": self.seed,
+            "generator": self.generator.get_state(),
+            "config": self.config.model_dump(),
+            "link": None if self.link is None else asdict(self.link),
+            "buckets": buckets,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        The iteration and RNG are always restored. Per-bucket state is dropped (with a
+        RuntimeWarning) when the world size or the compression settings changed; a bucket
+        whose layout changed is reset when it is next seen. Shapes are never forced.
+
+        Raises:
+            ValueError: unknown ``format``.
+        """
+        if sd.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"state_dict format {sd.get('format')!r} is not {STATE_FORMAT}; it was written "
+                "by another version of verl_comm.hooks"
+            )
+        self.iteration = int(sd["iteration"])
+        self.seed = int(sd["seed"])
+        self.generator.set_state(sd["generator"])
+        self.buckets = {}
+        self.link = None
+        if sd["world_size"] != self.world_size:
+            warnings.warn(
+                f"comm hook state was saved with world size {sd['world_size']}, now "
+                f"{self.world_size}: error-feedback residuals and Q factors are reset",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        if sd["link"] is not None:
+            self.link = LinkModel(**sd["link"])
+        for idx, b in sd["buckets"].items():
+            lr = LowRankBucketState(
+                qs=[_clone(q) for q in b["qs"]],
+                residuals=[_clone(r) for r in b["residuals"]],
+                rest_residual=_clone(b["rest_residual"]),
+            )
+            dec = None if b["decision"] is None else PolicyDecision(**b["decision"])
+            self.buckets[int(idx)] = BucketState(
+                tuple(b["signature"]), tuple(b["meta"]), _clone(b["residual"]), lr, None, dec
+            )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # picklable without the process group, the recorder's lock or CUDA streams
+        return {"config": self.config.model_dump(), "state": self.state_dict()}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__init__(None, CompressionConfig(**d["config"]))  # type: ignore[misc]
+        self._deferred = d["state"]  # loaded when a hook first runs (the group exists then)
+
+    def apply_deferred(self) -> None:
+        """Load a state unpickled before the process group existed (called by the hooks)."""
+        sd, self._deferred = self._deferred, None
+        if sd is not None:
+            self.load_state_dict(sd)
+
+    # -- end of step -----------------------------------------------------------------
+    def _add_pending(self, item: dict[str, Any]) -> None:
+        self._pending.append(item)
+
+    def end_step(self) -> None:
+        """Resolve the step's per-bucket flags and stats (one host sync), record them,
+        handle non-finite buckets and advance ``iteration``. Called by the hooks on
+        ``bucket.is_last()``.
+
+        Raises:
+            NonFiniteGradientError: ``nonfinite='raise'`` and a bucket was non-finite.
+        """
+        pending, self._pending = self._pending, []
+        it = self.iteration
+        self.iteration += 1
+        if not pending:
+            return
+        flags = torch.stack([p["finite"].to("cpu", non_blocking=False) for p in pending])
+        bad: list[int] = []
+        stats: dict[int, BucketStats] = {}
+        for p, ok in zip(pending, flags.tolist()):
+            if p["t_end"] is not None:  # CUDA events
+                p["t_end"].synchronize()
+                time_s = p["t_start"].elapsed_time(p["t_end"]) / 1e3
+            else:
+                time_s = p["time_s"]
+            rel = res = None
+            if p["err_sq"] is not None and p["in_sq"] is not None:
+                e, i = float(p["err_sq"]), float(p["in_sq"])
+                rel = (e / i) ** 0.5 if i > 0 else 0.0
+                if p["has_residual"]:
+                    res = e**0.5
+            wire = p["wire_bytes"]
+            skipped = (not ok) and self.config.nonfinite == "skip"
+            st = BucketStats(
+                index=p["index"],
+                iteration=it,
+                method=p["method"],
+                numel=p["numel"],
+                dtype=p["dtype"],
+                wire_bytes=wire,
+                plain_bytes=p["plain_bytes"],
+                compression_ratio=p["plain_bytes"] / wire if wire else 1.0,
+                time_s=time_s,
+                rel_error=rel,
+                residual_norm=res,
+                finite=bool(ok),
+                skipped=skipped,
+            )
+            stats[p["index"]] = st
+            if not ok:
+                bad.append(p["index"])
+                self.nonfinite_events.append((it, p["index"]))
+                bs = self.buckets.get(p["index"])
+                if bs is not None:
+                    bs.reset()  # residuals / Q hold NaN now
+            if self.recorder is not None:
+                self.recorder.record(
+                    CommRecord(
+                        op=p["method"],
+                        nbytes=wire,
+                        group_size=p["world_size"],
+                        duration_s=time_s,
+                        tag=f"hook/{p['method']}/bucket{p['index']}",
+                        start_s=p["start_s"],
+                        extra={
+                            k: float(v)
+                            for k, v in (
+                                ("compression_ratio", st.compression_ratio),
+                                ("rel_error", rel),
+                                ("residual_norm", res),
+                                ("finite", float(ok)),
+                                ("iteration", float(it)),
+                            )
+                            if v is not None
+                        },
+                    )
+                )
+        self.last_stats = stats
+        if bad:
+            if self.config.nonfinite == "raise":
+                raise NonFiniteGradientError(bad, it)
+            logger.warning(
+                "comm hook: non-finite gradient in bucket(s) %s at iteration %d; their "
+                "update was zeroed (nonfinite='skip')",
+                bad,
+                it,
+            )
