@@ -1,0 +1,37 @@
+"""``verl-ppo`` command line: ``train`` (the main job) and ``reward-server``."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``verl-ppo <command> ...``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = (
+        "usage: verl-ppo train --config FILE [dotted.key=value ...]\n"
+        "       verl-ppo reward-server [--host H] [--port P] [--model SPEC]"
+    )
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from verl_ppo import __version__
+
+        print(__version__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        from verl_ppo.train import main as train_main
+
+        return train_main(rest)
+    if cmd == "reward-server":
+        from verl_ppo.reward.server import main as server_main
+
+        return int(server_main(rest) or 0)
+    print(f"verl-ppo: unknown command {cmd!r}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,399 @@
+"""The PPO configuration: one pydantic tree, the single source of defaults.
+
+Loaded from YAML with dotted ``key=value`` overrides (``load_config``). Unknown keys,
+wrong types and impossible combinations fail here, before any process starts, with a
+message naming the field and the fix. Derived sizes (per-rank batch, number of
+mini-batches) are computed once by :meth:`PPOConfig.derived` with an exact-division helper.
+
+Compression keys come from :class:`verl_comm.compression.config.CompressionConfig` and the
+hybrid-engine keys from :class:`verl_ppo.reshard.config.HybridEngineConfig`; their defaults
+live there. Users may write the compression keys at top level (``gradient_compression``,
+``compression_rank``, ...) as they do in other trainers; they are moved into ``compression``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from verl_comm.compression.config import CompressionConfig
+
+try:
+    from verl_ppo.reshard.config import HybridEngineConfig
+except ImportError:  # TEMP-SHIM until verl_ppo.reshard.config lands
+
+    class HybridEngineConfig(BaseModel):  # type: ignore[no-redef]
+        enable: bool = False
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names each bad field and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Strict):
+    """Which policy model to load."""
+
+    path: str | None = Field(
+        None,
+        description="local HF folder; None = the packaged SmolLM2-135M-Instruct (converted once)",
+    )
+    tiny: dict[str, Any] | None = Field(
+        None,
+        description="build a randomly initialised Llama from these LlamaConfig fields instead "
+        "(tests, benchmarks); the tokenizer still comes from `path` or SmolLM2",
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="parameter/compute dtype: auto = bf16 on GPU, fp32 on CPU"
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+
+
+class DataConfig(_Strict):
+    """Prompt source: a reasoning-gym task."""
+
+    task: str = Field(
+        "basic_arithmetic", description="basic_arithmetic|chain_sum|countdown|gsm_symbolic"
+    )
+    task_kwargs: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym overrides")
+    train_size: int = Field(10_000, gt=0, description="distinct training prompts (cycled)")
+    eval_size: int = Field(32, ge=0, description="held-out prompts scored greedily; 0 = no eval")
+    max_prompt_len: int = Field(160, gt=0, description="prompts longer than this (tokens) fail")
+
+
+class RolloutConfig(_Strict):
+    """Sampling of responses (KV cache always on)."""
+
+    max_new_tokens: int = Field(32, gt=0, description="response length limit in tokens")
+    temperature: float = Field(1.0, gt=0.0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int = Field(0, ge=0, description="0 = no top-k filter")
+    eval_max_new_tokens: int = Field(24, gt=0, description="response limit for greedy eval")
+    use_cuda_graph: bool = Field(False, description="capture decode steps as CUDA graphs (GPU)")
+
+
+class KLConfig(_Strict):
+    """KL regularisation against the frozen reference policy."""
+
+    use_kl_in_reward: bool = Field(True, description="subtract kl_coef * KL from token rewards")
+    use_kl_loss: bool = Field(False, description="add kl_coef * KL as an actor loss term instead")
+    kl_coef: float = Field(0.02, ge=0.0, description="initial KL coefficient (beta)")
+    estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator")
+    controller: Literal["fixed", "adaptive"] = Field("fixed", description="KL controller")
+    target_kl: float = Field(0.1, gt=0.0, description="adaptive controller target")
+    horizon: int = Field(10_000, gt=0, description="adaptive controller horizon (samples)")
+
+
+class AlgorithmConfig(_Strict):
+    """PPO maths."""
+
+    adv_estimator: Literal["gae", "grpo"] = Field("gae", description="advantage estimator")
+    n_samples: int = Field(1, ge=1, description="responses per prompt (grpo needs >= 2)")
+    norm_adv_by_std_in_grpo: bool = Field(True, description="GRPO std normalisation switch")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="discount")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda")
+    clip_ratio: float = Field(0.2, gt=0.0, description="PPO epsilon")
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip constant")
+    cliprange_value: float = Field(0.2, gt=0.0, description="value clipping range")
+    vf_coef: float = Field(1.0, gt=0.0, description="critic loss weight")
+    entropy_coeff: float = Field(0.0, ge=0.0, description="entropy bonus weight")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    kl: KLConfig = Field(default_factory=KLConfig)
+
+
+class OptimConfig(_Strict):
+    """Optimizer of one role."""
+
+    lr: float = Field(1e-6, gt=0.0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, ge=0.0, description="gradient norm clip; 0 = off")
+    betas: tuple[float, float] = (0.9, 0.95)
+
+
+class ActorModelConfig(_Strict):
+    """``actor.model_config``: where users write the hybrid-engine layout."""
+
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+
+
+class ActorConfig(_Strict):
+    """The policy's DeepSpeed engine."""
+
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-6))
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
+    offload_optimizer: bool = Field(False, description="DeepSpeed optimizer offload to CPU")
+    model_config_: ActorModelConfig = Field(default_factory=ActorModelConfig, alias="model_config")
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, protected_namespaces=()
+    )
+
+
+class CriticConfig(_Strict):
+    """The value model's DeepSpeed engine (same backbone + scalar head)."""
+
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
+    offload_optimizer: bool = Field(False, description="DeepSpeed optimizer offload to CPU")
+
+
+class TrainConfig(_Strict):
+    """Batch sizes are in prompts*n_samples (sequences), global over all ranks."""
+
+    num_steps: int = Field(8, gt=0, description="PPO steps (one rollout batch each)")
+    rollout_batch_size: int = Field(8, gt=0, description="sequences generated per step, global")
+    ppo_mini_batch_size: int = Field(8, gt=0, description="sequences per optimizer step, global")
+    micro_batch_size: int = Field(4, gt=0, description="sequences per forward/backward, per rank")
+    ppo_epochs: int = Field(1, gt=0, description="passes over each rollout batch")
+    log_interval: int = Field(1, gt=0, description="steps between metric lines")
+    eval_interval: int = Field(0, ge=0, description="steps between evals; 0 = start and end only")
+    save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0 = end only")
+    resume: Literal["auto", "never"] = Field("auto", description="resume from run_dir's latest")
+
+
+class CommConfig(_Strict):
+    """Distributed setup."""
+
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on GPU")
+    nproc: int = Field(2, gt=0, description="processes started when not under torchrun")
+    master_port: int | None = Field(None, ge=1, le=65535, description="None = a free port")
+    timeout_s: float = Field(300.0, gt=0.0, description="collective/process-group timeout")
+    nccl_preset: str | None = Field(None, description="verl_comm NCCL preset applied before init")
+
+
+class ProfilerConfig(_Strict):
+    """verl_comm profiler (torch.profiler based)."""
+
+    enable: bool = False
+    steps: list[int] = Field(default_factory=list, description="steps to profile; [] = all")
+    output_dir: str = "profile_logs"
+
+
+class MonitorConfig(_Strict):
+    """Prometheus endpoint."""
+
+    prometheus_port: int | None = Field(None, ge=0, le=65535, description="None = off")
+    prometheus_host: str = Field("127.0.0.1", description="bind address (localhost by default)")
+
+
+class PPOConfig(_Strict):
+    """Root of the configuration tree (see module docstring)."""
+
+    seed: int = Field(0, description="global seed (data order, sampling, init)")
+    run_dir: str = Field("runs/default", description="metrics.jsonl, checkpoints")
+    amp_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="one compute dtype for every module: auto = bf16 on GPU, fp32 on CPU"
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_compression_keys(cls, data: Any) -> Any:
+        """Accept ``gradient_compression: int8`` etc. at top level (users' YAML)."""
+        if not isinstance(data, dict):
+            return data
+        keys = set(CompressionConfig.model_fields)
+        top = {k: data[k] for k in list(data) if k in keys}
+        if top:
+            data = {k: v for k, v in data.items() if k not in keys}
+            comp = dict(data.get("compression") or {})
+            for k, v in top.items():
+                comp[k] = v
+            data["compression"] = comp
+        return data
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> PPOConfig:
+        a, t = self.algorithm, self.train
+        if a.adv_estimator == "grpo" and a.n_samples < 2:
+            raise ValueError(
+                "algorithm.adv_estimator=grpo needs algorithm.n_samples >= 2 "
+                f"(got {a.n_samples}): set algorithm.n_samples=4, or use gae"
+            )
+        if a.kl.use_kl_in_reward and a.kl.use_kl_loss:
+            raise ValueError(
+                "algorithm.kl.use_kl_in_reward and algorithm.kl.use_kl_loss are both true: "
+                "choose one place for the KL term"
+            )
+        if t.rollout_batch_size % a.n_samples:
+            raise ValueError(
+                f"train.rollout_batch_size={t.rollout_batch_size} is not a multiple of "
+                f"algorithm.n_samples={a.n_samples}"
+            )
+        if t.rollout_batch_size % t.ppo_mini_batch_size:
+            raise ValueError(
+                f"train.rollout_batch_size={t.rollout_batch_size} is not a multiple of "
+                f"train.ppo_mini_batch_size={t.ppo_mini_batch_size}"
+            )
+        return self
+
+    def derived(self, world_size: int) -> Derived:
+        """Per-rank sizes for ``world_size`` data-parallel ranks (exact division).
+
+        Raises:
+            ConfigError: a global batch does not divide across ranks or micro-batches.
+        """
+        t = self.train
+        local_rollout = exact_div(
+            t.rollout_batch_size, world_size, "train.rollout_batch_size", "ranks"
+        )
+        local_mini = exact_div(
+            t.ppo_mini_batch_size, world_size, "train.ppo_mini_batch_size", "ranks"
+        )
+        micro = min(t.micro_batch_size, local_mini)
+        grad_accum = exact_div(
+            local_mini, micro, "per-rank ppo_mini_batch_size", "train.micro_batch_size"
+        )
+        return Derived(
+            world_size=world_size,
+            local_rollout_batch_size=local_rollout,
+            local_prompts=exact_div(
+                local_rollout,
+                self.algorithm.n_samples,
+                "per-rank rollout batch (train.rollout_batch_size / ranks)",
+                "algorithm.n_samples",
+            ),
+            local_mini_batch_size=local_mini,
+            local_micro_batch_size=micro,
+            grad_accum_steps=grad_accum,
+            num_mini_batches=t.rollout_batch_size // t.ppo_mini_batch_size,
+        )
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Per-rank sizes derived once from the config and the world size (``local_`` = per rank)."""
+
+    world_size: int
+    local_rollout_batch_size: int
+    local_prompts: int
+    local_mini_batch_size: int
+    local_micro_batch_size: int
+    grad_accum_steps: int
+    num_mini_batches: int
+
+
+def exact_div(a: int, b: int, what: str, by: str) -> int:
+    """``a // b``, raising :class:`ConfigError` naming ``what`` and ``by`` when ``b`` does not divide ``a``."""
+    if b <= 0 or a % b:
+        raise ConfigError(
+            f"{what}={a} does not divide evenly by {by} ({b}): choose a multiple of {b}"
+        )
+    return a // b
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if p != "__root__")
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see configs/default.yaml for valid keys)"
+        lines.append(f"  {loc or '<root>'}: {msg}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ``["a.b=1", "c=[1, 2]"]`` into a nested dict; values are parsed as YAML scalars.
+
+    Raises:
+        ConfigError: an override without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like dotted.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override of {p!r}")
+        node[parts[-1]] = value
+    return out
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Return ``base`` updated recursively by ``over`` (new dicts, inputs untouched)."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOConfig:
+    """Validate a dict, then apply keyword overrides of config fields.
+
+    Keyword names are top-level fields (``seed``), compression keys
+    (``gradient_compression``, ``compression_rank``, which move into ``compression``) or
+    dotted paths passed as ``**{"train.num_steps": 3}``; values are Python objects.
+
+    Raises:
+        ConfigError: with one line per bad field.
+    """
+    data = dict(data or {})
+    for key, value in overrides.items():
+        nested: dict[str, Any] = {}
+        node = nested
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+        data = deep_merge(data, nested)
+    try:
+        return PPOConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> PPOConfig:
+    """Load a YAML file (None = all defaults), apply dotted overrides, validate.
+
+    Raises:
+        ConfigError: missing file, not YAML, not a mapping, or invalid fields.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist (--config PATH)")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"config file {str(p)!r} must hold a YAML mapping at top level, got "
+                f"{type(loaded).__name__}"
+            )
+        data = loaded
+    if overrides:
+        data = deep_merge(data, parse_overrides(overrides))
+    return build_config(data)

@@ -1,0 +1,131 @@
+"""reasoning-gym tasks as prompt sources with their own scorers (the rule reward).
+
+Each task wraps a seeded reasoning-gym dataset. Prompts are rendered with the model's
+chat template and ask for the final answer inside ``<answer>...</answer>``; the scorer is
+reasoning-gym's own ``score_answer`` applied to the extracted answer. The evaluation split
+uses a different seed, so train and held-out prompts never coincide.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+TASKS: dict[str, dict[str, Any]] = {
+    # 2-term, 2-digit sums: SmolLM2-135M starts near 0.1 reward, so there is signal.
+    "basic_arithmetic": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 2,
+        "max_digits": 2,
+        "operators": ["+"],
+        "allow_parentheses": False,
+        "allow_negation": False,
+    },
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
+    "countdown": {},
+    "gsm_symbolic": {},
+}
+
+SYSTEM_PROMPT = (
+    "You are a careful assistant. Solve the problem, then give only the final answer "
+    "inside <answer></answer> tags, for example <answer>42</answer>."
+)
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_OPEN_RE = re.compile(r"<answer>(.*)$", re.DOTALL | re.IGNORECASE)
+
+
+class TaskError(ValueError):
+    """Unknown task or bad task arguments; the message lists the valid choices."""
+
+
+def extract_answer(text: str) -> str | None:
+    """Return the content of the last ``<answer>...</answer>`` in ``text`` (stripped).
+
+    An opening tag cut off by the length limit or by EOS yields the text after it, so a
+    response that ends right after the number still scores. Returns None when no tag.
+    """
+    found = _ANSWER_RE.findall(text)
+    if found:
+        return found[-1].strip()
+    m = _OPEN_RE.search(text)
+    if m:
+        return m.group(1).strip() or None
+    return None
+
+
+@dataclass
+class Sample:
+    """One prompt: the chat-rendered text, the raw question and the reasoning-gym entry."""
+
+    prompt: str
+    question: str
+    entry: dict
+
+
+class Task:
+    """A seeded reasoning-gym dataset with a train and a held-out split.
+
+    Args:
+        name: one of ``TASKS``.
+        train_size: number of distinct train prompts (cycled).
+        eval_size: number of held-out prompts.
+        seed: train split seed; the eval split uses ``seed + 1_000_003``.
+        overrides: keyword arguments for the reasoning-gym dataset config.
+
+    Raises:
+        TaskError: unknown task name or arguments reasoning-gym rejects.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        train_size: int = 10_000,
+        eval_size: int = 64,
+        seed: int = 0,
+        overrides: dict[str, Any] | None = None,
+    ) -> None:
+        if name not in TASKS:
+            raise TaskError(f"unknown task {name!r}; choose one of {sorted(TASKS)} (data.task)")
+        import reasoning_gym
+
+        kwargs = {**TASKS[name], **(overrides or {})}
+        self.name = name
+        try:
+            self.train = reasoning_gym.create_dataset(name, size=train_size, seed=seed, **kwargs)
+            self.eval = reasoning_gym.create_dataset(
+                name, size=eval_size, seed=seed + 1_000_003, **kwargs
+            )
+        except (TypeError, ValueError, AssertionError) as exc:
+            raise TaskError(f"reasoning-gym rejected data.task_kwargs for {name!r}: {exc}") from exc
+
+    def render(self, tokenizer: Any, question: str) -> str:
+        """Render one question with the tokenizer's chat template (generation prompt added)."""
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": question},
+        ]
+        if getattr(tokenizer, "chat_template", None):
+            return tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        return f"{SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer: "
+
+    def sample(self, tokenizer: Any, split: str, index: int) -> Sample:
+        """Return the ``index``-th sample of ``split`` ("train" cycles, "eval" is fixed)."""
+        ds = self.train if split == "train" else self.eval
+        entry = ds[index % len(ds)]
+        return Sample(self.render(tokenizer, entry["question"]), entry["question"], entry)
+
+    def iter_eval(self, tokenizer: Any) -> Iterator[Sample]:
+        """All held-out samples in order."""
+        for i in range(len(self.eval)):
+            yield self.sample(tokenizer, "eval", i)
+
+    def score(self, completion: str, entry: dict) -> float:
+        """reasoning-gym's score in [0, 1] of the answer extracted from ``completion``."""
+        answer = extract_answer(completion)
+        return float(self.train.score_answer(answer=answer, entry=entry))

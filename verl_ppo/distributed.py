@@ -1,0 +1,78 @@
+"""Process-group setup for one trainer rank (torchrun, our own launcher, or a lone process)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Raise a clear error if ``port`` is taken on ``host`` (before any rank starts).
+
+    Raises:
+        OSError: naming the port and the config key that sets it.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise OSError(
+                f"port {port} on {host} is already in use: set comm.master_port to a free "
+                "port, or leave it unset to pick one automatically"
+            ) from None
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` -> ``nccl`` with CUDA, else ``gloo``; ``nccl`` without CUDA is an error."""
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("comm.backend=nccl needs CUDA GPUs; use comm.backend=gloo on CPU")
+    return name
+
+
+def ensure_process_group(cfg: Any) -> bool:
+    """Initialise the default process group if needed; returns True if this call created it.
+
+    Under torchrun or our launcher the rank comes from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
+    and ``MASTER_ADDR``/``MASTER_PORT``; in a plain process a one-rank group on a free
+    loopback port is created. ``comm.nccl_preset`` is applied first (NCCL reads its
+    environment at init), and the timeout ``comm.timeout_s`` bounds every collective.
+    """
+    if dist.is_initialized():
+        return False
+    if cfg.comm.nccl_preset:
+        from verl_comm.nccl import apply_preset
+
+        apply_preset(cfg.comm.nccl_preset)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(cfg.comm.master_port or free_port()),
+        )
+    backend = resolve_backend(cfg.comm.backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(
+        backend=backend, timeout=timedelta(seconds=cfg.comm.timeout_s), **kwargs
+    )
+    return True

@@ -1,0 +1,139 @@
+"""The policy: a DeepSpeed engine that generates, scores its own log-probs and updates."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_ppo.algorithms import agg_loss, kl_penalty, masked_mean, policy_loss_vanilla
+from verl_ppo.experience import Experience
+from verl_ppo.roles.common import sequence_log_probs
+from verl_ppo.strategy import DeepSpeedStrategy
+
+
+def global_token_divisor(mask: torch.Tensor, group: Any = None) -> float:
+    """Valid tokens of ``mask`` summed over the data-parallel group, divided by its size.
+
+    Used as the ``token-mean`` divisor so that the loss is invariant to the number of
+    ranks and micro-batches (see :func:`verl_ppo.algorithms.agg_loss`).
+    """
+    n = mask.sum().to(torch.float64).reshape(1)
+    world = 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(n, group=group)
+        world = dist.get_world_size(group)
+    return max(float(n.item()) / world, 1.0)
+
+
+class Actor:
+    """The trained policy.
+
+    Args:
+        strategy: a :class:`DeepSpeedStrategy` whose engine wraps the policy.
+        algo: ``PPOConfig.algorithm``.
+        micro_batch_size: sequences per forward/backward on this rank.
+        temperature: rollout temperature (log-probs are of the sampled distribution).
+        group: data-parallel process group (None = WORLD).
+        grad_comm: optional handle from ``verl_ppo.grad_comm`` with ``after_backward()``.
+    """
+
+    def __init__(
+        self,
+        strategy: DeepSpeedStrategy,
+        algo: Any,
+        micro_batch_size: int,
+        temperature: float,
+        group: Any = None,
+        grad_comm: Any = None,
+    ) -> None:
+        self.strategy = strategy
+        self.algo = algo
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        self.group = group
+        self.grad_comm = grad_comm
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped HF model."""
+        return self.strategy.module
+
+    @torch.no_grad()
+    def compute_log_prob(self, exp: Experience) -> torch.Tensor:
+        """Log-probs ``(B, R)`` of the responses under the current policy (no grad)."""
+        self.module.eval()
+        parts = [
+            sequence_log_probs(
+                self.module, mb.input_ids, mb.attention_mask, exp.prompt_len, self.temperature
+            )[0]
+            for mb in exp.split(self.micro_batch_size)
+        ]
+        return torch.cat(parts, 0)
+
+    def update(self, exp: Experience, num_mini_batches: int, ppo_epochs: int) -> dict[str, float]:
+        """PPO epochs over ``exp`` split into mini-batches; returns averaged metrics.
+
+        Metrics: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
+        ``actor/ppo_kl``, ``actor/entropy``, ``actor/grad_norm`` and ``actor/kl_loss``
+        when the KL is a loss term.
+        """
+        a = self.algo
+        self.module.train()
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        mini = max(exp.batch_size // num_mini_batches, 1)
+        for _ in range(ppo_epochs):
+            for mb_exp in exp.split(mini):
+                divisor = global_token_divisor(mb_exp.response_mask, self.group)
+                for micro in mb_exp.split(self.micro_batch_size):
+                    logp, ent = sequence_log_probs(
+                        self.module,
+                        micro.input_ids,
+                        micro.attention_mask,
+                        exp.prompt_len,
+                        self.temperature,
+                        with_entropy=True,
+                    )
+                    mask = micro.response_mask
+                    pg_loss, m = policy_loss_vanilla(
+                        micro.old_log_prob,
+                        logp,
+                        micro.advantages,
+                        mask,
+                        clip_ratio=a.clip_ratio,
+                        clip_ratio_c=a.clip_ratio_c,
+                        loss_agg_mode=a.loss_agg_mode,
+                        global_tokens=divisor,
+                    )
+                    loss = pg_loss
+                    if a.entropy_coeff > 0:
+                        loss = loss - a.entropy_coeff * agg_loss(
+                            ent, mask, a.loss_agg_mode, divisor
+                        )
+                    if a.kl.use_kl_loss:
+                        kl = kl_penalty(logp, micro.ref_log_prob, a.kl.estimator)
+                        kl_loss = agg_loss(kl, mask, a.loss_agg_mode, divisor)
+                        loss = loss + a.kl.kl_coef * kl_loss
+                        sums["actor/kl_loss"] += float(kl_loss)
+                        counts["actor/kl_loss"] += 1
+                    if a.loss_agg_mode != "token-mean":
+                        loss = loss * micro.batch_size / max(mb_exp.batch_size, 1)
+                    self.strategy.backward(loss)
+                    if self.grad_comm is not None:
+                        self.grad_comm.after_backward()
+                    self.strategy.step()
+                    sums["actor/pg_loss"] += float(pg_loss)
+                    counts["actor/pg_loss"] += 1
+                    for k, v in m.items():
+                        sums[f"actor/{k}"] += float(v)
+                        counts[f"actor/{k}"] += 1
+                    sums["actor/entropy"] += float(masked_mean(ent.detach(), mask))
+                    counts["actor/entropy"] += 1
+                gn = self.strategy.engine.get_global_grad_norm()
+                if gn is not None:
+                    sums["actor/grad_norm"] += float(gn)
+                    counts["actor/grad_norm"] += 1
+        return {k: sums[k] / counts[k] for k in sums}

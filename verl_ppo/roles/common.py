@@ -1,0 +1,45 @@
+"""Forward passes shared by the roles."""
+
+from __future__ import annotations
+
+import torch
+
+from verl_ppo.algorithms.losses import entropy_from_logits
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions ``(B, L)`` counting only unmasked tokens (left padding -> 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def sequence_log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of the response tokens under ``model``.
+
+    Args:
+        input_ids, attention_mask: ``(B, P + R)``.
+        prompt_len: ``P``; the logits at positions ``P-1 .. P+R-2`` predict the response.
+        temperature: the sampling temperature (log-probs of the distribution sampled from).
+
+    Returns:
+        ``(log_prob (B, R) float32, entropy (B, R) float32 or None)``.
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from(attention_mask),
+        use_cache=False,
+    )
+    logits = out.logits[:, prompt_len - 1 : -1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, prompt_len:]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    ent = entropy_from_logits(logits) if with_entropy else None
+    return logp, ent

@@ -1,0 +1,121 @@
+"""The value model: the policy's backbone with a scalar head, in its own DeepSpeed engine."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from verl_ppo.algorithms import masked_mean, value_loss_clipped
+from verl_ppo.experience import Experience
+from verl_ppo.roles.actor import global_token_divisor
+from verl_ppo.roles.common import position_ids_from
+from verl_ppo.strategy import DeepSpeedStrategy
+
+
+class ValueModel(nn.Module):
+    """``backbone`` (a HF base model returning ``last_hidden_state``) + ``Linear(hidden, 1)``.
+
+    The head starts at zero so initial values are 0 (no random value bias).
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Values ``(B, L)`` float32 at every position."""
+        h = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from(attention_mask),
+            use_cache=False,
+        ).last_hidden_state
+        return self.value_head(h).squeeze(-1).float()
+
+
+class Critic:
+    """Value estimates and the clipped value-loss update.
+
+    Args:
+        strategy: a :class:`DeepSpeedStrategy` wrapping a :class:`ValueModel`.
+        algo: ``PPOConfig.algorithm``.
+        micro_batch_size: sequences per forward/backward on this rank.
+        group: data-parallel process group (None = WORLD).
+        grad_comm: optional gradient-communication handle (``after_backward()``).
+    """
+
+    def __init__(
+        self,
+        strategy: DeepSpeedStrategy,
+        algo: Any,
+        micro_batch_size: int,
+        group: Any = None,
+        grad_comm: Any = None,
+    ) -> None:
+        self.strategy = strategy
+        self.algo = algo
+        self.micro_batch_size = micro_batch_size
+        self.group = group
+        self.grad_comm = grad_comm
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped :class:`ValueModel`."""
+        return self.strategy.module
+
+    def _values(self, exp: Experience) -> torch.Tensor:
+        v = self.module(exp.input_ids, exp.attention_mask)
+        return v[:, exp.prompt_len - 1 : -1]
+
+    @torch.no_grad()
+    def compute_values(self, exp: Experience) -> torch.Tensor:
+        """Values ``(B, R)`` of the states before each response token, 0 on padding."""
+        self.module.eval()
+        parts = [self._values(mb) * mb.response_mask for mb in exp.split(self.micro_batch_size)]
+        return torch.cat(parts, 0)
+
+    def update(self, exp: Experience, num_mini_batches: int, ppo_epochs: int) -> dict[str, float]:
+        """Clipped value-loss epochs; metrics ``critic/vf_loss``, ``critic/vf_clipfrac``,
+        ``critic/vpred_mean``, ``critic/grad_norm``."""
+        a = self.algo
+        self.module.train()
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        mini = max(exp.batch_size // num_mini_batches, 1)
+        for _ in range(ppo_epochs):
+            for mb_exp in exp.split(mini):
+                divisor = global_token_divisor(mb_exp.response_mask, self.group)
+                for micro in mb_exp.split(self.micro_batch_size):
+                    v = self._values(micro)
+                    loss, m = value_loss_clipped(
+                        v,
+                        micro.values,
+                        micro.returns,
+                        micro.response_mask,
+                        cliprange_value=a.cliprange_value,
+                        loss_agg_mode=a.loss_agg_mode,
+                        global_tokens=divisor,
+                    )
+                    if a.loss_agg_mode != "token-mean":
+                        loss = loss * micro.batch_size / max(mb_exp.batch_size, 1)
+                    self.strategy.backward(a.vf_coef * loss)
+                    if self.grad_comm is not None:
+                        self.grad_comm.after_backward()
+                    self.strategy.step()
+                    sums["critic/vf_loss"] += float(loss.detach())
+                    counts["critic/vf_loss"] += 1
+                    sums["critic/vf_clipfrac"] += float(m["vf_clipfrac"])
+                    counts["critic/vf_clipfrac"] += 1
+                    sums["critic/vpred_mean"] += float(masked_mean(v.detach(), micro.response_mask))
+                    counts["critic/vpred_mean"] += 1
+                gn = self.strategy.engine.get_global_grad_norm()
+                if gn is not None:
+                    sums["critic/grad_norm"] += float(gn)
+                    counts["critic/grad_norm"] += 1
+        return {k: sums[k] / counts[k] for k in sums}

@@ -1,0 +1,132 @@
+"""DeepSpeed behind one object, built from a pure ``ds_config(...) -> dict``.
+
+Model: OpenRLHF's ``deepspeed_utils.py`` / ``deepspeed.py``. The optimizer is a torch AdamW
+passed in as DeepSpeed's client optimizer (fused on CUDA); on CPU DeepSpeed's own
+``"Adam"`` would JIT-compile a CPU FusedAdam first (~41 s), which we avoid.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def ds_config(
+    *,
+    zero_stage: int,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    world_size: int,
+    bf16: bool,
+    grad_clip: float,
+    offload_optimizer: bool = False,
+    communication_data_type: str | None = None,
+) -> dict[str, Any]:
+    """The DeepSpeed config dict for one engine (pure function, no side effects).
+
+    Args:
+        zero_stage: 0-3.
+        micro_batch_size: sequences per forward/backward on one rank.
+        grad_accum_steps: micro-batches per optimizer step on one rank.
+        world_size: data-parallel ranks (DeepSpeed checks
+            ``train_batch_size == micro * accum * world``).
+        bf16: bf16 mixed precision (GPU); False = fp32 (CPU: DeepSpeed refuses fp16 there).
+        grad_clip: gradient norm clip; 0 disables it.
+        offload_optimizer: ZeRO optimizer-state offload to CPU (needs zero_stage >= 1).
+
+    Raises:
+        ValueError: offload without ZeRO or an out-of-range stage.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0-3, got {zero_stage}")
+    if offload_optimizer and zero_stage == 0:
+        raise ValueError("offload_optimizer needs zero_stage >= 1 (DeepSpeed offloads ZeRO state)")
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if zero_stage >= 1:
+        zero.update({"overlap_comm": False, "contiguous_gradients": True})
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": micro_batch_size * grad_accum_steps * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bool(bf16)},
+        "gradient_clipping": float(grad_clip),
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if communication_data_type:
+        cfg["communication_data_type"] = communication_data_type
+    return cfg
+
+
+class DeepSpeedStrategy:
+    """Owns one DeepSpeed engine: init, backward, step, save/load.
+
+    Args:
+        config: the dict from :func:`ds_config`.
+        lr, weight_decay, betas: AdamW hyper-parameters.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+    ) -> None:
+        self.config = config
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = betas
+        self.engine: Any = None
+
+    def init(self, model: torch.nn.Module) -> Any:
+        """Wrap ``model`` in a DeepSpeed engine (collective: every rank must call it)."""
+        import deepspeed
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(
+            params,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            betas=self.betas,
+            fused=torch.cuda.is_available(),
+        )
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=self.config)
+        self.engine = engine
+        return engine
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped model."""
+        return self.engine.module
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a loss already scaled for accumulation (no extra 1/GAS)."""
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> None:
+        """Optimizer step at the accumulation boundary (DeepSpeed counts micro-steps)."""
+        self.engine.step()
+
+    def save(self, directory: str, tag: str, client_state: dict | None = None) -> None:
+        """DeepSpeed checkpoint of model + optimizer under ``directory/tag`` (collective)."""
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
+
+    def load(self, directory: str, tag: str) -> dict:
+        """Load a checkpoint written by :meth:`save`; returns the client state.
+
+        Raises:
+            RuntimeError: nothing could be loaded from ``directory/tag``.
+        """
+        path, client = self.engine.load_checkpoint(directory, tag=tag)
+        if path is None:
+            raise RuntimeError(f"no DeepSpeed checkpoint found at {directory}/{tag}")
+        return client or {}

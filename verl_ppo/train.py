@@ -1,0 +1,65 @@
+"""Train a policy with PPO: the main job.
+
+Single host, CPU (launches ``comm.nproc`` gloo processes itself)::
+
+    verl-ppo train --config configs/default.yaml
+    python -m verl_ppo.train --config configs/default.yaml train.num_steps=4
+
+GPUs, one node (NCCL)::
+
+    torchrun --nproc_per_node=8 -m verl_ppo.train --config configs/default.yaml
+
+Several nodes: the same torchrun line with ``--nnodes=N --node_rank=i
+--rdzv_endpoint=HOST:PORT`` on every node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from verl_ppo.config import ConfigError, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of ``verl-ppo train``."""
+    p = argparse.ArgumentParser(prog="verl-ppo train", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    return p
+
+
+def run_rank(config_path: str | None, overrides: list[str]) -> int:
+    """Body of one rank: build the trainer, run it, tear down; returns an exit code."""
+    from verl_ppo.trainer import PPOTrainer
+
+    cfg = load_config(config_path, overrides)
+    trainer = PPOTrainer(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: validate the config, then run this rank or launch the ranks."""
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"verl-ppo: {exc}", file=sys.stderr)
+        return 2
+    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_launcher:
+        from verl_ppo.launch import rank_main
+
+        return rank_main(lambda: run_rank(args.config, args.overrides))
+    from verl_ppo.launch import launch
+
+    return launch(cfg, args.config, args.overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
