@@ -142,6 +142,8 @@ class CommHookState:
             all ranks, so that Q starts identical everywhere).
         collect_stats: compute relative error and residual norms (two extra reductions over
             the bucket per step); bytes, time and finiteness are always tracked.
+        collective: a :class:`~verl_comm.compression.Collective` to use instead of
+            ``process_group`` (custom transports, one-process simulations); not saved.
 
     Attributes:
         iteration: completed reductions (incremented on ``bucket.is_last()``).
@@ -158,6 +160,7 @@ class CommHookState:
         recorder: CommRecorder | None = None,
         seed: int = 0,
         collect_stats: bool = True,
+        collective: Collective | None = None,
     ) -> None:
         self.process_group = process_group
         self.config = config if config is not None else CompressionConfig()
@@ -170,7 +173,7 @@ class CommHookState:
         self.last_stats: dict[int, BucketStats] = {}
         self.nonfinite_events: list[tuple[int, int]] = []
         self.link: LinkModel | None = None
-        self._coll: Collective | None = None
+        self._coll: Collective | None = collective
         self._pending: list[dict[str, Any]] = []
         self._streams: dict[torch.device, Any] = {}
         self._deferred: dict[str, Any] | None = None
