@@ -132,7 +132,8 @@ class ModelReward:
             self.positive_label = n - 1 if positive_label is None else positive_label
             if not 0 <= self.positive_label < n:
                 raise ValueError(f"positive_label must be in [0, {n}), got {positive_label}")
-        self.name = f"model:{self.kind}:{self.path.name}"
+        label = "all-MiniLM-L6-v2" if path is None else self.path.name
+        self.name = f"model:{self.kind}:{label}"
         self._lock = threading.Lock()
 
     def _encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
