@@ -220,6 +220,9 @@ def _capture(hook, state, log):
     def wrapped(state, bucket):
         idx = bucket.index()
         bs = state.buckets.get(idx)
+        sig = tuple(tuple(p.shape) for p in bucket.parameters())
+        if bs is not None and bs.signature[2] != sig:
+            bs = None  # DDP rebuilt its buckets: the hook resets this state
         entry = {
             "index": idx,
             "input": bucket.buffer().detach().clone(),
@@ -295,7 +298,7 @@ def _check_bucket(method, entry, state, dtype, world) -> dict:
         plan = bucket_plan(state, bs, out.numel())
         lr = entry["lr"]
         all_lr = []
-        for r in range(world):
+        for _ in range(world):
             all_lr.append(([], [], None))
         # gather each rank's pre-step residuals (Q is identical on every rank)
         qs = lr[0]
@@ -363,7 +366,7 @@ def scenario_compare(
     for step in range(steps):
         ref.load_state_dict(model.state_dict())
         log.clear()
-        for m, d in ((ddp, True), (ddp_ref, False)):
+        for m in (ddp, ddp_ref):
             if no_sync:
                 x, y = batch(step + 100, rank, dtype)
                 with m.no_sync():

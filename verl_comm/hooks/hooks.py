@@ -12,14 +12,11 @@ Register them with DDP's own API, exactly like torch's built-ins::
 Each hook averages ``bucket.buffer()`` over the state's process group in place and returns
 a completed Future holding it (same shape and dtype). The hooks call only the GradBucket
 methods ``buffer``, ``index``, ``is_last`` and ``parameters`` (the bucketed reducer's bucket
-objects provide the same). Execution model, streams and the non-finite policy: see
+objects provide the same). Annotations are real objects (no ``from __future__ import
+annotations``) because DDP's ``register_comm_hook`` checks them. Execution model, streams and the non-finite policy: see
 :mod:`verl_comm.hooks._core`. For torch compatibility the simple hooks also accept a
 ``ProcessGroup`` or None as ``state`` (like torch's ``allreduce_hook``).
 """
-
-from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +38,7 @@ def _as_state(state: CommHookState | dist.ProcessGroup | None) -> CommHookState:
 
 
 def allreduce_hook(
-    state: CommHookState | dist.ProcessGroup | None, bucket: Any
+    state: CommHookState | dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with a plain all-reduce in the bucket's dtype (DDP's default).
 
@@ -60,7 +57,7 @@ def allreduce_hook(
 
 
 def fp16_hook(
-    state: CommHookState | dist.ProcessGroup | None, bucket: Any
+    state: CommHookState | dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in fp16 on the wire (divide by W first, sum, cast back).
 
@@ -72,7 +69,7 @@ def fp16_hook(
 
 
 def bf16_hook(
-    state: CommHookState | dist.ProcessGroup | None, bucket: Any
+    state: CommHookState | dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in bf16 on the wire (divide by W first, sum, cast back).
 
@@ -82,7 +79,7 @@ def bf16_hook(
     return run_hook(_as_state(state), bucket, "bf16")
 
 
-def int8_hook(state: CommHookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def int8_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with the int8 quantized all-reduce and error feedback.
 
     Two-step scheme of :func:`verl_comm.compression.int8_allreduce` (all-to-all + owner
@@ -99,7 +96,9 @@ def int8_hook(state: CommHookState, bucket: Any) -> torch.futures.Future[torch.T
     return run_hook(state, bucket, "int8")
 
 
-def lowrank_int8_hook(state: CommHookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def lowrank_int8_hook(
+    state: CommHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with int8 low-rank compression (PowerSGD, Vogels et al. 2019).
 
     Matrices (conv kernels reshaped) with ``n m >= min_compression_rate * r (n + m)`` and
