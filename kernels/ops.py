@@ -147,30 +147,32 @@ def quantize_ef(
 
 
 def _quantize_launch(x, residual, codes, scales, block, stochastic, seed, offset, launch) -> None:
-    from .triton_kernels import _quantize_kernel, grid_1d
+    from .triton_kernels import _quantize_kernel, grid_1d, split_launches
 
     nblocks = scales.numel()
     if nblocks == 0:
         return
     bpp, warps = _launch("quantize", block, launch)
     with _on_device(x) as extra:
-        _quantize_kernel[grid_1d(nblocks, bpp)](
-            x,
-            residual if residual is not None else x,
-            codes,
-            scales,
-            x.numel(),
-            nblocks,
-            seed,
-            offset,
-            BLOCK=block,
-            BLOCKS_PER_PROG=bpp,
-            HAS_RESIDUAL=residual is not None,
-            STOCHASTIC=stochastic,
-            TINY=TINY,
-            num_warps=warps,
-            **extra,
-        )
+        for block0, block_end, n_bound in split_launches(x.numel(), nblocks, block, bpp):
+            _quantize_kernel[grid_1d(block_end - block0, bpp)](
+                x,
+                residual if residual is not None else x,
+                codes,
+                scales,
+                n_bound,
+                block0,
+                block_end,
+                seed,
+                offset,
+                BLOCK=block,
+                BLOCKS_PER_PROG=bpp,
+                HAS_RESIDUAL=residual is not None,
+                STOCHASTIC=stochastic,
+                TINY=TINY,
+                num_warps=warps,
+                **extra,
+            )
 
 
 def dequantize(
@@ -210,29 +212,31 @@ def dequantize(
         return ref.dequantize_ref(codes, scales, block, scale=scale, numel=numel, out=out)
     if numel == 0:
         return out
-    from .triton_kernels import _dequantize_kernel, grid_1d
+    from .triton_kernels import _dequantize_kernel, grid_1d, split_launches
 
     bpp, warps = _launch("dequantize", block, launch)
     nblocks = -(-numel // block)
     c2 = codes.view(rows, m)
     s2 = scales.view(rows, m // block)
     with _on_device(codes) as extra:
-        _dequantize_kernel[grid_1d(nblocks, bpp)](
-            c2,
-            s2,
-            out,
-            numel,
-            nblocks,
-            m // block,
-            c2.stride(0),
-            s2.stride(0),
-            float(scale),
-            BLOCK=block,
-            BLOCKS_PER_PROG=bpp,
-            APPLY_FACTOR=float(scale) != 1.0,
-            num_warps=warps,
-            **extra,
-        )
+        for block0, block_end, n_bound in split_launches(numel, nblocks, block, bpp):
+            _dequantize_kernel[grid_1d(block_end - block0, bpp)](
+                c2,
+                s2,
+                out,
+                n_bound,
+                block0,
+                block_end,
+                m // block,
+                c2.stride(0),
+                s2.stride(0),
+                float(scale),
+                BLOCK=block,
+                BLOCKS_PER_PROG=bpp,
+                APPLY_FACTOR=float(scale) != 1.0,
+                num_warps=warps,
+                **extra,
+            )
     return out
 
 

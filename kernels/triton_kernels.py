@@ -16,8 +16,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_RNE_MAGIC = 12582912.0  # 1.5 * 2**23
-_FLT_MAX = 3.4028234663852886e38
+# Globals read inside @triton.jit functions must be constexpr.
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
@@ -25,11 +27,12 @@ def _quantize_tile(v, seed, counters, TINY: tl.constexpr, STOCHASTIC: tl.constex
     """Quantize fp32 tile ``v (R, BLOCK)`` -> (codes fp32 (R, BLOCK), scales fp32 (R,))."""
     a = tl.abs(v)
     absmax = tl.max(a, axis=1)
-    bad = tl.max(tl.where(a <= _FLT_MAX, 0, 1), axis=1) > 0  # NaN/Inf in the block
-    ok = (absmax >= TINY) & (bad == 0)
+    n_bad = tl.max(tl.where(a <= _FLT_MAX, 0, 1), axis=1)  # NaN/Inf in the block
+    bad = n_bad > 0
+    ok = (absmax >= TINY) & (n_bad == 0)
     safe = tl.where(ok, absmax, 1.0)
     scale = tl.where(ok, tl.div_rn(safe, 127.0), 0.0)
-    scale = tl.where(bad, float("nan"), scale)
+    scale = tl.where(bad, _NAN, scale)
     inv = tl.where(ok, tl.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe), 0.0)
     q = v * inv[:, None]
     if STOCHASTIC:
@@ -49,7 +52,8 @@ def _quantize_kernel(
     codes_ptr,
     scales_ptr,
     n,
-    nblocks,
+    block0,
+    block_end,
     seed,
     offset,
     BLOCK: tl.constexpr,
@@ -58,12 +62,13 @@ def _quantize_kernel(
     STOCHASTIC: tl.constexpr,
     TINY: tl.constexpr,
 ):
-    """x (n,) float [+ residual (n,)] -> codes int8 (nblocks*BLOCK,), scales fp32 (nblocks,).
+    """x (n,) float [+ residual (n,)] -> codes int8 (N_pad,), scales fp32 (N_pad / BLOCK,).
 
+    This launch covers blocks [block0, block_end); elements at or past ``n`` read as zero.
     With HAS_RESIDUAL the residual is overwritten with ``v - codes * scale`` (first n only).
     """
     pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
+    rows = block0 + pid * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
     cols = tl.arange(0, BLOCK)
     idx = rows[:, None] * BLOCK + cols[None, :]
     in_mask = idx < n
@@ -71,12 +76,12 @@ def _quantize_kernel(
     if HAS_RESIDUAL:
         v = v + tl.load(r_ptr + idx, mask=in_mask, other=0.0).to(tl.float32)
     c, scale = _quantize_tile(v, seed, offset + idx, TINY, STOCHASTIC)
-    row_ok = rows < nblocks
+    row_ok = rows < block_end
     tl.store(codes_ptr + idx, c.to(tl.int8), mask=row_ok[:, None])
     tl.store(scales_ptr + rows, scale, mask=row_ok)
     if HAS_RESIDUAL:
         r_new = v - c * scale[:, None]
-        tl.store(r_ptr + idx, _cast_out(r_new, r_ptr.dtype.element_ty), mask=in_mask)
+        tl.store(r_ptr + idx, _cast_out(r_new, r_ptr), mask=in_mask)
 
 
 @triton.jit
@@ -102,10 +107,12 @@ def _dequant_sum_requant_kernel(
     idx = rows[:, None] * BLOCK + cols[None, :]
     row_ok = rows < nblocks
     acc = tl.zeros((BLOCKS_PER_PROG, BLOCK), dtype=tl.float32)
-    for w in tl.static_range(W):
-        c_w = tl.load(codes_ptr + w * stride_cw + idx, mask=row_ok[:, None], other=0)
-        s_w = tl.load(scales_ptr + w * stride_sw + rows, mask=row_ok, other=0.0)
+    for _w in tl.static_range(W):
+        c_w = tl.load(codes_ptr + idx, mask=row_ok[:, None], other=0)
+        s_w = tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
         acc = acc + c_w.to(tl.float32) * s_w[:, None]
+        codes_ptr += stride_cw  # pointer increments: no 32-bit overflow of w * stride
+        scales_ptr += stride_sw
     c, scale = _quantize_tile(acc, 0, idx, TINY, False)
     tl.store(out_codes_ptr + idx, c.to(tl.int8), mask=row_ok[:, None])
     tl.store(out_scales_ptr + rows, scale, mask=row_ok)
@@ -119,7 +126,8 @@ def _dequantize_kernel(
     scales_ptr,
     out_ptr,
     numel,
-    nblocks,
+    block0,
+    block_end,
     blocks_per_row,
     stride_cr,
     stride_sr,
@@ -128,13 +136,16 @@ def _dequantize_kernel(
     BLOCKS_PER_PROG: tl.constexpr,
     APPLY_FACTOR: tl.constexpr,
 ):
-    """codes (R, M) int8 (row stride stride_cr) * scales (R, M/BLOCK) -> out (numel,) float."""
+    """codes (R, M) int8 (row stride stride_cr) * scales (R, M/BLOCK) -> out (numel,) float.
+
+    This launch covers output blocks [block0, block_end); outputs at or past numel are skipped.
+    """
     pid = tl.program_id(0).to(tl.int64)
-    blk = pid * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
+    blk = block0 + pid * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
     cols = tl.arange(0, BLOCK)
     r = blk // blocks_per_row
     j = blk - r * blocks_per_row
-    blk_ok = blk < nblocks
+    blk_ok = blk < block_end
     c = tl.load(
         codes_ptr + (r * stride_cr + j * BLOCK)[:, None] + cols[None, :],
         mask=blk_ok[:, None],
@@ -145,22 +156,46 @@ def _dequantize_kernel(
     if APPLY_FACTOR:
         y = y * factor
     out_idx = blk[:, None] * BLOCK + cols[None, :]
-    tl.store(out_ptr + out_idx, _cast_out(y, out_ptr.dtype.element_ty), mask=out_idx < numel)
+    tl.store(out_ptr + out_idx, _cast_out(y, out_ptr), mask=out_idx < numel)
 
 
 @triton.jit
-def _cast_out(y, DT: tl.constexpr):
-    """Cast fp32 ``y`` to ``DT`` rounding to nearest even (bf16 done by hand: the interpreter
-    truncates, the GPU rounds; this way both give torch's ``.to(torch.bfloat16)``)."""
-    if DT == tl.bfloat16:
+def _cast_out(y, dst_ptr):
+    """Cast fp32 ``y`` to ``dst_ptr``'s element type, rounding to nearest even.
+
+    bf16 is rounded by hand: the interpreter truncates while the GPU rounds; this way both
+    give torch's ``.to(torch.bfloat16)`` (NaN becomes the canonical 0x7FC0).
+    """
+    if dst_ptr.dtype.element_ty == tl.bfloat16:
         bits = y.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         half = tl.where(y != y, 0x7FC0, bits >> 16).to(tl.uint16)
         return half.to(tl.bfloat16, bitcast=True)
     else:
-        return y.to(DT)
+        return y.to(dst_ptr.dtype.element_ty)
 
 
 def grid_1d(nblocks: int, blocks_per_prog: int) -> tuple[int]:
     """Number of programs for ``nblocks`` blocks at ``blocks_per_prog`` blocks each."""
     return (triton.cdiv(nblocks, blocks_per_prog),)
+
+
+def split_launches(
+    n: int, nblocks: int, block: int, blocks_per_prog: int
+) -> list[tuple[int, int, int]]:
+    """``(block0, block_end, n_bound)`` per launch, so that masks stay vectorizable.
+
+    Element masks ``i < n`` only compile to 16-byte accesses when Triton sees ``n`` divisible
+    by 16. For other ``n`` the whole tiles before the last partial one go in a first launch
+    bounded by a multiple of the tile (vector accesses), the rest in a second launch.
+    """
+    if nblocks == 0:
+        return []
+    tile = block * blocks_per_prog
+    main = min(n // tile * blocks_per_prog, nblocks)
+    if n % 16 == 0 or main == 0:
+        return [(0, nblocks, n)]
+    out = [(0, main, main * block)]
+    if main < nblocks:
+        out.append((main, nblocks, n))
+    return out

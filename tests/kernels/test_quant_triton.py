@@ -201,3 +201,38 @@ def test_noncontiguous_input_rejected() -> None:
         dequantize(
             torch.zeros(256, 2, dtype=torch.int8, device=DEV)[:, 0], torch.zeros(2, device=DEV), **T
         )
+
+
+def test_split_launches_cover_every_block_once() -> None:
+    from verl_comm.kernels.triton_kernels import split_launches
+
+    assert split_launches(4096, 32, 128, 32) == [(0, 32, 4096)]  # n % 16 == 0: one launch
+    assert split_launches(0, 0, 128, 32) == []
+    for n, nblocks in ((1, 1), (4097, 33), (12_365, 97), (12_365, 128), (8191, 64)):
+        parts = split_launches(n, nblocks, 128, 32)
+        covered = [b for b0, b1, _ in parts for b in range(b0, b1)]
+        assert covered == list(range(nblocks))
+        assert all(bound % 16 == 0 for _, _, bound in parts[:-1])  # vectorizable main launch
+        assert parts[-1][2] == n or n % 16 == 0
+
+
+@pytest.mark.parametrize("launch", ((256, 4), (1024, 2)))
+def test_other_launch_configs_bit_exact(launch: tuple[int, int]) -> None:
+    x = _data(6_001, torch.bfloat16, seed=30)
+    got = quantize(x, 64, pad_to=8192, launch=launch, **T)
+    assert all(_same(a.cpu(), b) for a, b in zip(got, quantize_ref(x.cpu(), 64, pad_to=8192)))
+    r = torch.zeros(6_001, device=DEV)
+    r_ref = r.cpu().clone()
+    got = quantize_ef(x, r, 64, launch=launch, **T)
+    want = quantize_ef_ref(x.cpu(), r_ref, 64)
+    assert all(_same(a.cpu(), b) for a, b in zip(got, want)) and _same(r.cpu(), r_ref)
+    codes, scales = got
+    y = dequantize(codes, scales, 64, numel=6_001, launch=launch, **T)
+    assert _same(y.cpu(), dequantize_ref(codes.cpu(), scales.cpu(), 64, numel=6_001))
+    cw, sw = torch.stack([codes, codes]), torch.stack([scales, scales])
+    got = dequant_sum_requant(cw, sw, 64, launch=launch, **T)
+    assert all(
+        _same(a.cpu(), b) for a, b in zip(got, dequant_sum_requant_ref(cw.cpu(), sw.cpu(), 64))
+    )
+    with pytest.raises(ValueError, match="launch tile"):
+        quantize(x, 64, launch=(96, 4), **T)
