@@ -36,8 +36,11 @@ def test_hits_misses_and_different_tail_is_rescored():
     out = c.score(_b([a, tail]))
     assert out.tolist() == [60.0, 61.0]
     assert (c.hits, c.misses) == (1, 2) and inner.calls == [1, 1]
-    m = c.metrics()
+    m = c.metrics(reset=True)
     assert m["reward/cache_hit_rate"] == 1 / 3 and m["reward/cache_entries"] == 2
+    c.score(_b([a, a]))
+    m = c.metrics()
+    assert m["reward/cache_hit_rate"] == 1.0 and m["reward/cache_hits"] == 3
 
 
 def test_prompt_response_boundary_is_part_of_the_key():

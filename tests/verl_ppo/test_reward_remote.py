@@ -206,3 +206,13 @@ def test_reward_server_command_in_subprocess():
         env=env,
     )
     assert bad.returncode == 2 and "unknown reward model 'nonsense'" in bad.stderr
+
+
+def test_idle_connection_closed_by_server_is_resent_transparently():
+    batch = _rg_batch(2)
+    with RewardServer(RuleReward(), port=0, idle_timeout_s=0.2) as server:
+        client = RemoteReward(server.url, max_retries=0)
+        first = client.score(batch)
+        time.sleep(0.6)  # the server drops the kept-alive connection meanwhile
+        assert torch.equal(client.score(batch), first) and client.retries == 0
+        client.close()

@@ -47,6 +47,7 @@ class CachedReward:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self._win = [0, 0]  # hits, misses since the last metrics(reset=True)
 
     @property
     def name(self) -> str:
@@ -74,9 +75,11 @@ class CachedReward:
                     self._store.move_to_end(k)
                     out[i] = v
                     self.hits += 1
+                    self._win[0] += 1
                 else:
                     miss_first.setdefault(k, i)
                     self.misses += 1
+                    self._win[1] += 1
         if miss_first:
             idx = list(miss_first.values())
             scored = check_rewards(self.inner.score(batch.select(idx)), len(idx), self.name)
@@ -93,13 +96,17 @@ class CachedReward:
                     out[i] = fresh[k]
         return torch.tensor(out, dtype=torch.float32)
 
-    def metrics(self) -> dict[str, float]:
-        """``reward/cache_hit_rate`` (hits / lookups since creation, NaN before any),
-        ``reward/cache_hits``, ``reward/cache_misses``, ``reward/cache_entries``."""
+    def metrics(self, reset: bool = False) -> dict[str, float]:
+        """``reward/cache_hit_rate``: hits / lookups since the last ``reset=True`` call (or
+        since creation; NaN before any lookup), so the trainer can report it per step;
+        ``reward/cache_hits`` and ``reward/cache_misses`` (totals since creation, samples)
+        and ``reward/cache_entries``."""
         with self._lock:
-            total = self.hits + self.misses
+            h, m = self._win
+            if reset:
+                self._win = [0, 0]
             return {
-                "reward/cache_hit_rate": self.hits / total if total else float("nan"),
+                "reward/cache_hit_rate": h / (h + m) if h + m else float("nan"),
                 "reward/cache_hits": float(self.hits),
                 "reward/cache_misses": float(self.misses),
                 "reward/cache_entries": float(len(self._store)),

@@ -65,6 +65,8 @@ class ModelReward:
         extract_fn: answer extraction for ``text="answer"``; default
             :func:`~verl_ppo.reward.rule.extract_tagged_answer`.
         positive_label: classifier with >= 2 labels: index of the "good" label.
+        dtype: parameter dtype (e.g. ``torch.bfloat16`` on a GPU); None keeps the folder's.
+            Rewards are computed in float32 from the model's outputs either way.
 
     ``score`` returns float32 ``(B,)`` on the CPU.
 
@@ -85,6 +87,7 @@ class ModelReward:
         text: str = "answer",
         extract_fn: Callable[[str], str | None] | None = None,
         positive_label: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         from transformers import (
             AutoConfig,
@@ -124,7 +127,8 @@ class ModelReward:
                 raise RewardError(f"tokenizer of {self.path} has neither a pad nor an eos token")
             self.tokenizer.pad_token = self.tokenizer.eos_token
         cls = AutoModelForSequenceClassification if kind == "classifier" else AutoModel
-        self.model = cls.from_pretrained(self.path, local_files_only=True).to(self.device).eval()
+        model = cls.from_pretrained(self.path, local_files_only=True)
+        self.model = model.to(device=self.device, dtype=dtype).eval()
         if kind == "classifier":
             if self.model.config.pad_token_id is None:
                 self.model.config.pad_token_id = self.tokenizer.pad_token_id

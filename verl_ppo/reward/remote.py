@@ -7,7 +7,8 @@ again.
 
 Failure handling, all bounded in time:
 
-* every socket operation (connect, send, each read) times out after ``timeout_s``;
+* connecting times out after ``connect_timeout_s``, every later socket operation (send,
+  each read, i.e. the server's scoring time) after ``timeout_s``;
 * connection errors, timeouts and HTTP 429/502/503/504 are retried up to ``max_retries``
   times, sleeping ``min(backoff_s * 2**k, backoff_max_s)`` before retry k (exponential
   backoff), never past ``deadline_s`` from the first attempt;
@@ -16,8 +17,8 @@ Failure handling, all bounded in time:
 * a server that never answers raises :class:`RemoteRewardError` naming the URL, the
   number of attempts, the time spent and the last error.
 
-Worst-case time to that error: ``(1 + max_retries) * timeout_s`` plus the backoff sleeps,
-capped by ``deadline_s``; connecting to a closed loopback port fails at once, so a
+Worst-case time to that error: ``(1 + max_retries) * (connect_timeout_s + timeout_s)``
+plus the backoff sleeps, capped by ``deadline_s`` (give or take one attempt); connecting to a closed loopback port fails at once, so a
 server that is down is reported within the sum of the backoffs (0.7 s by default).
 """
 
@@ -45,7 +46,8 @@ class RemoteReward:
 
     Args:
         url: base URL of the server, e.g. ``http://127.0.0.1:8000``.
-        timeout_s: seconds for each socket operation of one attempt.
+        timeout_s: seconds for each send/read of one attempt (covers the scoring time).
+        connect_timeout_s: seconds to establish a TCP connection.
         max_retries: extra attempts after the first for retryable failures.
         backoff_s: sleep before the first retry; doubles each retry.
         backoff_max_s: cap of one backoff sleep.
@@ -61,6 +63,7 @@ class RemoteReward:
         url: str,
         *,
         timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
         max_retries: int = 3,
         backoff_s: float = 0.1,
         backoff_max_s: float = 2.0,
@@ -69,10 +72,16 @@ class RemoteReward:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"reward server url must look like http://host:port, got {url!r}")
-        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or backoff_max_s < 0:
+        if (
+            timeout_s <= 0
+            or connect_timeout_s <= 0
+            or max_retries < 0
+            or backoff_s < 0
+            or backoff_max_s < 0
+        ):
             raise ValueError(
-                "timeout_s must be > 0 and max_retries, backoff_s, backoff_max_s >= 0; got "
-                f"{timeout_s}, {max_retries}, {backoff_s}, {backoff_max_s}"
+                "timeout_s and connect_timeout_s must be > 0 and max_retries, backoff_s, backoff_max_s >= 0; got "
+                f"{timeout_s}, {connect_timeout_s}, {max_retries}, {backoff_s}, {backoff_max_s}"
             )
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0 or None, got {deadline_s}")
@@ -82,6 +91,7 @@ class RemoteReward:
         self._port = parts.port or (443 if self._https else 80)
         self._base = parts.path.rstrip("/")
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
@@ -94,8 +104,13 @@ class RemoteReward:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            conn = cls(self._host, self._port, timeout=self.timeout_s)
+            conn = cls(self._host, self._port, timeout=self.connect_timeout_s)
             self._local.conn = conn
+        if conn.sock is None:
+            conn.timeout = self.connect_timeout_s
+            conn.connect()
+            conn.sock.settimeout(self.timeout_s)
+            conn.timeout = self.timeout_s
         return conn
 
     def _drop_conn(self) -> None:
@@ -124,7 +139,8 @@ class RemoteReward:
         last: str = ""
         while True:
             attempts += 1
-            reused = getattr(self._local, "conn", None) is not None
+            old = getattr(self._local, "conn", None)
+            reused = old is not None and old.sock is not None
             try:
                 status, data = self._request_once(method, path, body)
             except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout

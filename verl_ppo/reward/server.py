@@ -101,9 +101,9 @@ class RewardServer:
         t0 = time.perf_counter()
         with self._score_lock:
             rewards = check_rewards(self.reward_model.score(batch), len(batch), self.model_name)
-        dt = time.perf_counter() - t0
-        self.stats.record(dt)
-        self.samples += len(batch)
+            dt = time.perf_counter() - t0
+            self.stats.record(dt)
+            self.samples += len(batch)
         return {"rewards": rewards.tolist(), "latency_s": dt}
 
     def health(self) -> dict:
