@@ -9,6 +9,7 @@ averaged gradients back before the optimizer step. ``make_reducer`` builds one f
 """
 
 from verl_comm.reducer.bucket import GradBucket, TensorSpec, plan_buckets
+from verl_comm.reducer.build import make_reducer
 from verl_comm.reducer.reducer import DEFAULT_FIRST_BUCKET_MB, BucketedReducer
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "BucketedReducer",
     "GradBucket",
     "TensorSpec",
+    "make_reducer",
     "plan_buckets",
 ]
