@@ -1,0 +1,254 @@
+"""Executor: runs a :class:`~verl_ppo.reshard.planner.ReshardPlan` on one rank.
+
+Buckets (the same on every rank, :func:`~verl_ppo.reshard.planner.make_buckets`) go over
+the wire with ``all_to_all_single`` (uneven splits) or batched ``isend/irecv``. Two
+buffers alternate (double buffering): bucket ``k + 1`` is packed while bucket ``k`` is
+in flight, and bucket ``k`` is unpacked while ``k + 1`` is in flight. Each buffer holds
+one bucket's sends and receives, at most ``bucket_bytes``, so the extra memory is at
+most two buckets plus the rollout shard itself. Local copies go first and never touch
+the wire. Bytes are counted from the actual split sizes, not from the plan, so a test
+can compare the two.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from verl_comm.telemetry import CommRecord, CommRecorder
+from verl_ppo.reshard.planner import ReshardPlan, Transfer, make_buckets
+from verl_ppo.reshard.specs import box_shape
+
+TRANSPORTS = ("all_to_all", "p2p")
+
+
+@dataclass
+class ReshardStats:
+    """What one reshard did on this rank.
+
+    Attributes:
+        time_s: wall time (seconds), including local copies, after a device sync.
+        bytes_sent, bytes_received: payload bytes over the wire (this rank).
+        lower_bound_bytes: rollout bytes this rank did not hold in training.
+        rollout_bytes: size of this rank's rollout shard (bytes).
+        peak_extra_bytes: transient buffers (both bucket buffers) plus the rollout shard.
+        buckets: number of buckets run.
+    """
+
+    time_s: float
+    bytes_sent: int
+    bytes_received: int
+    lower_bound_bytes: int
+    rollout_bytes: int
+    peak_extra_bytes: int
+    buckets: int
+
+
+def flat_storage(t: torch.Tensor, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """1-D view of a training shard, checked against the plan.
+
+    Raises:
+        ValueError: wrong element count, dtype, or a non-contiguous tensor.
+    """
+    if t.numel() != numel:
+        raise ValueError(
+            f"training shard {name!r} has {t.numel()} elements, the plan expects {numel} "
+            f"(shape {tuple(t.shape)}); was it built for another layout?"
+        )
+    if t.dtype != dtype:
+        raise ValueError(
+            f"training shard {name!r} has dtype {t.dtype}, expected {dtype} like the others"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"training shard {name!r} is not contiguous; pass tensor.contiguous()")
+    return t.reshape(-1)
+
+
+def _view(flat: torch.Tensor, gbox, offset: int, strides) -> torch.Tensor:
+    return flat.as_strided(box_shape(gbox), strides, flat.storage_offset() + offset)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ReshardExecutor:
+    """Runs ``plan`` for ``rank`` of ``group`` (None = WORLD).
+
+    Args:
+        plan: a static plan; every rank must hold the same one.
+        rank: this rank's index in ``group``.
+        group: process group the layouts' ranks index; None = WORLD.
+        bucket_bytes: cap on one bucket's sends + receives per rank (bytes).
+        transport: ``"all_to_all"`` (``all_to_all_single``) or ``"p2p"``
+            (``batch_isend_irecv``).
+        recorder: optional :class:`CommRecorder`; one record per bucket.
+
+    Raises:
+        ValueError: unknown transport or a bucket smaller than one element.
+    """
+
+    def __init__(
+        self,
+        plan: ReshardPlan,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        bucket_bytes: int = 64 << 20,
+        transport: str = "all_to_all",
+        recorder: CommRecorder | None = None,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.plan, self.rank, self.group = plan, rank, group
+        self.bucket_bytes, self.transport, self.recorder = int(bucket_bytes), transport, recorder
+        self.local = [t for t in plan.local if t.dst == rank]
+
+    def _buckets(self, itemsize: int):
+        return make_buckets(self.plan, max(1, self.bucket_bytes // itemsize))
+
+    def run(
+        self, train_shards: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
+        """Reshard this rank's training shards into its rollout shards.
+
+        Args:
+            train_shards: parameter name -> what this rank holds in the training layout
+                (local TP/PP slice of shape ``Shard.local_shape``, or a 1-D ZeRO-3
+                partition of ``Shard.numel`` elements); one dtype and device for all.
+
+        Returns:
+            (rollout shards: name -> tensor of the rollout ``local_shape``, stats).
+
+        Raises:
+            KeyError: a shard the plan needs is missing.
+            ValueError: see :func:`flat_storage`.
+        """
+        plan, r = self.plan, self.rank
+        n = plan.world_size
+        srcs: dict[int, torch.Tensor] = {}
+        dtype = device = None
+        for p, spec in enumerate(plan.specs):
+            sh = plan.train_shards[r][p]
+            if sh is None:
+                continue
+            if spec.name not in train_shards:
+                raise KeyError(
+                    f"training shard {spec.name!r} missing on rank {r} "
+                    f"({plan.train.describe()} rank {r} holds it)"
+                )
+            t = train_shards[spec.name]
+            dtype, device = dtype or t.dtype, device or t.device
+            srcs[p] = flat_storage(t, spec.name, sh.numel, dtype)
+        if dtype is None:
+            raise ValueError(f"rank {r} holds no training shard; nothing to reshard from")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        _sync(device)
+        t0 = time.perf_counter()
+        outs: dict[int, torch.Tensor] = {}
+        for p, _spec in enumerate(plan.specs):
+            sh = plan.rollout_shards[r][p]
+            if sh is not None:
+                outs[p] = torch.empty(sh.numel, dtype=dtype, device=device)
+        for t in self.local:
+            _view(outs[p := t.param], t.gbox, t.dst_offset, t.dst_strides).copy_(
+                _view(srcs[p], t.gbox, t.src_offset, t.src_strides)
+            )
+        buckets = self._buckets(itemsize)
+        mine = []
+        for b in buckets:
+            sends = sorted((t for t in b if t.src == r), key=lambda t: t.dst)  # stable
+            recvs = sorted((t for t in b if t.dst == r), key=lambda t: t.src)
+            mine.append((sends, recvs))
+        slot_elems = max(
+            (sum(t.numel for t in s) + sum(t.numel for t in v) for s, v in mine), default=0
+        )
+        slots = [
+            torch.empty(slot_elems, dtype=dtype, device=device)
+            for _ in range(2 if len(mine) > 1 else len(mine))
+        ]
+        sent = received = 0
+        pending = None
+        for k, (sends, recvs) in enumerate(mine):
+            buf = slots[k % 2]
+            ssz, rsz = self._pack(sends, recvs, srcs, buf, n)
+            send_n, recv_n = sum(ssz), sum(rsz)
+            t_issue = time.perf_counter()
+            work = self._launch(buf[:send_n], buf[send_n : send_n + recv_n], ssz, rsz)
+            sent += send_n * itemsize
+            received += recv_n * itemsize
+            if pending is not None:
+                self._finish(*pending, outs, itemsize, n)
+            pending = (work, recvs, buf[send_n : send_n + recv_n], send_n, k, t_issue)
+        if pending is not None:
+            self._finish(*pending, outs, itemsize, n)
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        result = {}
+        for p, flat in outs.items():
+            result[plan.specs[p].name] = flat.view(plan.rollout_shards[r][p].local_shape)
+        roll_bytes = plan.rollout_elems[r] * itemsize
+        stats = ReshardStats(
+            time_s=elapsed,
+            bytes_sent=sent,
+            bytes_received=received,
+            lower_bound_bytes=plan.lower_bound_elems[r] * itemsize,
+            rollout_bytes=roll_bytes,
+            peak_extra_bytes=len(slots) * slot_elems * itemsize + roll_bytes,
+            buckets=len(mine),
+        )
+        return result, stats
+
+    def _pack(self, sends: list[Transfer], recvs: list[Transfer], srcs, buf: torch.Tensor, n: int):
+        ssz, rsz = [0] * n, [0] * n
+        o = 0
+        for t in sends:
+            k = t.numel
+            buf[o : o + k].view(box_shape(t.gbox)).copy_(
+                _view(srcs[t.param], t.gbox, t.src_offset, t.src_strides)
+            )
+            ssz[t.dst] += k
+            o += k
+        for t in recvs:
+            rsz[t.src] += t.numel
+        return ssz, rsz
+
+    def _launch(self, send: torch.Tensor, recv: torch.Tensor, ssz: list[int], rsz: list[int]):
+        if self.transport == "all_to_all":
+            return dist.all_to_all_single(recv, send, rsz, ssz, group=self.group, async_op=True)
+        ops, so, ro = [], 0, 0
+        for peer in range(len(ssz)):
+            g = peer if self.group is None else dist.get_global_rank(self.group, peer)
+            if ssz[peer]:
+                ops.append(dist.P2POp(dist.isend, send[so : so + ssz[peer]], g, self.group))
+            if rsz[peer]:
+                ops.append(dist.P2POp(dist.irecv, recv[ro : ro + rsz[peer]], g, self.group))
+            so += ssz[peer]
+            ro += rsz[peer]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def _finish(self, work, recvs, rbuf, send_n, k, t_issue, outs, itemsize, n) -> None:
+        for w in work if isinstance(work, list) else [work]:
+            w.wait()
+        if self.recorder is not None:
+            self.recorder.record(
+                CommRecord(
+                    op=self.transport,
+                    nbytes=send_n * itemsize,
+                    group_size=n,
+                    duration_s=time.perf_counter() - t_issue,
+                    tag=f"reshard/bucket{k}",
+                    start_s=t_issue,
+                    extra={"recv_bytes": float(rbuf.numel() * itemsize)},
+                )
+            )
+        o = 0
+        for t in recvs:
+            k_ = t.numel
+            _view(outs[t.param], t.gbox, t.dst_offset, t.dst_strides).copy_(
+                rbuf[o : o + k_].view(box_shape(t.gbox))
+            )
+            o += k_
