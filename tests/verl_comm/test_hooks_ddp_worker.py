@@ -409,7 +409,11 @@ def scenario_compare(
             if bs.plan is not None:
                 for gi, g in enumerate(bs.plan.groups):
                     for i, s in enumerate(g.slots):
-                        if s.offset == off and bs.lowrank.residuals[gi] is not None:
+                        if (
+                            s.offset == off
+                            and gi < len(bs.lowrank.residuals)
+                            and bs.lowrank.residuals[gi] is not None
+                        ):
                             unused_norm += float(bs.lowrank.residuals[gi][i].norm())
     out["unused_residual_norm"] = unused_norm
     out["finite"] = all(torch.isfinite(p).all() for p in model.parameters())
