@@ -4,7 +4,8 @@ Commands::
 
     verl-comm bench allreduce [options]        run a sweep (any collective with --op)
     verl-comm bench compare NEW.jsonl OLD.jsonl  regression guard (busbw drop > 20%)
-    verl-comm bench plot IN.jsonl [...] --png OUT.png
+    verl-comm bench plot IN.jsonl [...] --png OUT.png [--collective all_reduce]
+    verl-comm bench summary IN.jsonl [...] [--md OUT.md]   targets, int8 crossovers
 
 Examples::
 
@@ -129,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("inputs", nargs="+")
     g.add_argument("--png", required=True)
     g.add_argument("--title", default="")
+    g.add_argument("--collective", default=None, help="only records of this collective")
+    g.add_argument("--transport", default=None, help="only records of this transport")
+
+    s = sub.add_parser("summary", help="targets and int8 crossover sizes from JSONL files")
+    s.add_argument("inputs", nargs="+")
+    s.add_argument("--md", default=None, help="also write the markdown here")
     return p
 
 
@@ -166,7 +173,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
     )
     if args.smoke:
         cfg.backend, cfg.nproc = "gloo", 2
-        cfg.minbytes, cfg.maxbytes, cfg.factor = 8, parse_size("64K"), 8.0
+        cfg.minbytes, cfg.maxbytes, cfg.factor = 8, parse_size("16K"), 16.0
         cfg.iters, cfg.warmup, cfg.timeout_s, cfg.launch_timeout_s = 5, 1, 60.0, 120.0
         cfg.ops = list(COLLECTIVES)
         cfg.methods = list(METHODS)
@@ -222,7 +229,22 @@ def main(argv: list[str] | None = None) -> int:
         from verl_comm.bench.plot import plot_records
 
         records = [r for path in args.inputs for r in report.read_jsonl(path)]
+        records = [
+            r
+            for r in records
+            if args.collective in (None, r.get("collective"))
+            and args.transport in (None, r.get("transport"))
+        ]
         print(f"# wrote {plot_records(records, args.png, args.title)}")
+        return 0
+    if args.command == "summary":
+        from verl_comm.bench.summary import markdown_summary
+
+        text = markdown_summary([r for path in args.inputs for r in report.read_jsonl(path)])
+        print(text)
+        if args.md:
+            Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.md).write_text(text)
         return 0
     try:
         cfg = config_from_args(args, argv[1:])

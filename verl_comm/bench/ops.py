@@ -152,6 +152,7 @@ class Case:
         run: issues the collective once (blocking call as seen by the host).
         fill: writes the check pattern into the input.
         count_wrong: number of output elements off their closed form (beyond ``tol``).
+        output: the payload tensor that ``count_wrong`` checks.
         reset: None, or a call made outside the timed window before each iteration
             (restores inputs for methods whose speed could depend on the values).
     """
@@ -165,6 +166,7 @@ class Case:
     run: Callable[[], None]
     fill: Callable[[], None]
     count_wrong: Callable[[], int]
+    output: torch.Tensor
     reset: Callable[[], None] | None = None
 
 
@@ -296,5 +298,5 @@ def build_case(
             out.copy_(pristine)
 
     return Case(
-        collective, method, inplace, count, count * esize, dtype, run, fill, count_wrong, reset
+        collective, method, inplace, count, count * esize, dtype, run, fill, count_wrong, out, reset
     )
