@@ -36,10 +36,8 @@ def test_every_preset_includes_pytorch_safety():
     assert safety["TORCH_NCCL_ASYNC_ERROR_HANDLING"] != "0"
     assert safety["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert int(safety["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
-    assert dict(
-        PRESETS["pytorch-safety"].init_options.__iter__().__next__()[:1]
-        and [(o, v) for o, v, _ in PRESETS["pytorch-safety"].init_options]
-    )["device_id"]
+    init = {option: value for option, value, _ in PRESETS["pytorch-safety"].init_options}
+    assert init == {"timeout_s": "600", "device_id": "local_rank"}
     for preset in PRESETS.values():
         assert safety.items() <= preset.as_env().items()
 
