@@ -344,7 +344,6 @@ def _one(
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     algbw, busbw = bandwidths(op, nbytes, stats["time_us_p50"] * 1e-6, world)
     del bare_tensor
-    gc.collect()
     return {
         "metric": "busbw",
         "value": busbw,
