@@ -9,8 +9,9 @@ ranks (HybridFlow, Table 2). Parameters go bucket by bucket (full-size bytes up 
 parameters plus the gather buffer, not the whole model.
 
 Within a group, each cell of a parameter is contributed by its lowest-ranked holder;
-contributions are padded to the group's largest, as ``all_gather_into_tensor`` needs
-equal sizes (padding is counted as bytes on the wire).
+equal contributions (ZeRO-3 partitions) go through one ``all_gather_into_tensor``,
+unequal ones (pipeline stages) through one ``broadcast`` per contributing member, so no
+padding is sent and the received bytes are exactly the other members' parts.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ class NaiveAllGather:
                 self.pg = pg
         self.contrib = contributions(plan, sorted(self.members))
 
+    def _global(self, m: int) -> int:
+        return m if self.group is None else dist.get_global_rank(self.group, m)
+
     def run(
         self, train_shards: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
@@ -149,17 +153,33 @@ class NaiveAllGather:
                     k_ = box_numel(cell)
                     send[o : o + k_].view(box_shape(cell)).copy_(_view(srcs[p], cell, off, strides))
                     o += k_
-            gathered = torch.empty(chunk * g, dtype=dtype, device=device) if g > 1 else send
             t_issue = time.perf_counter()
-            if g > 1:
+            if g > 1 and len(set(sizes)) == 1:  # equal contributions (ZeRO-3): one all-gather
+                gathered = torch.empty(chunk * g, dtype=dtype, device=device)
                 dist.all_gather_into_tensor(gathered, send, group=self.pg)
-                received += chunk * (g - 1) * itemsize
-                sent += chunk * itemsize
+                offs = [i * chunk for i in range(g)]
+                op = "all_gather"
+            elif g > 1:  # uneven (PP stages): one broadcast per contributing member, exact sizes
+                gathered = torch.empty(sum(sizes), dtype=dtype, device=device)
+                offs = [sum(sizes[:i]) for i in range(g)]
+                for i, m in enumerate(members):
+                    seg = gathered[offs[i] : offs[i] + sizes[i]]
+                    if m == r:
+                        seg.copy_(send[: sizes[i]])
+                    if sizes[i]:
+                        dist.broadcast(seg, src=self._global(m), group=self.pg)
+                op = "broadcast"
+            else:
+                gathered, offs, op = send, [0], ""
+            if g > 1:
+                mine = sizes[members.index(r)]
+                received += (sum(sizes) - mine if op == "broadcast" else chunk * (g - 1)) * itemsize
+                sent += (mine if op == "broadcast" else chunk) * itemsize
                 if self.recorder is not None:
                     self.recorder.record(
                         CommRecord(
-                            "all_gather",
-                            chunk * itemsize,
+                            op,
+                            mine * itemsize,
                             g,
                             time.perf_counter() - t_issue,
                             f"reshard_naive/bucket{k}",
@@ -168,7 +188,7 @@ class NaiveAllGather:
                     )
             fulls = {p: torch.empty(plan.specs[p].shape, dtype=dtype, device=device) for p in ps}
             for i, m in enumerate(members):
-                o = i * chunk
+                o = offs[i]
                 for p in ps:
                     for cell, _, _ in self.contrib[p][m]:
                         k_ = box_numel(cell)

@@ -1,0 +1,49 @@
+"""CI run of ``benchmarks/reshard.py --smoke`` (CPU gloo, 2 processes) into a temporary folder."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(300)
+def test_reshard_benchmark_smoke(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "reshard.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    recs = [json.loads(x) for x in (tmp_path / "reshard.jsonl").read_text().splitlines()]
+    pairs = {(r["train_layout"], r["rollout_layout"]) for r in recs}
+    assert pairs == {("PP2", "TP2"), ("ZeRO3-DP2", "TP2"), ("DP2", "TP2")}
+    assert {r["method"] for r in recs} == {"engine", "naive_allgather"}
+    for r in recs:
+        assert r["benchmark"] == "reshard" and r["unit"] == "s" and r["numerics_ok"]
+        assert r["time_s"] > 0 and r["device"].startswith("cpu") and r["commit"] and r["date"]
+        assert r["peak_extra_bytes"] > 0 and "torch" in r["versions"]
+    by = {(r["train_layout"], r["method"]): r for r in recs}
+    for train in ("PP2", "ZeRO3-DP2", "DP2"):
+        eng, naive = by[(train, "engine")], by[(train, "naive_allgather")]
+        assert eng["bytes_per_rank"] == eng["lower_bound_bytes"]
+        assert eng["bytes_per_rank"] <= naive["bytes_per_rank"]
+    # PP2 -> TP2: naive fetches the other stage; the engine only its TP half of it.
+    assert (
+        by[("PP2", "engine")]["bytes_per_rank"]
+        < 0.6 * by[("PP2", "naive_allgather")]["bytes_per_rank"]
+    )
+    assert by[("DP2", "engine")]["bytes_per_rank"] == 0
+    md = (tmp_path / "reshard.md").read_text()
+    assert "| PP2 -> TP2 | engine |" in md and "Targets" in md
