@@ -430,7 +430,7 @@ def scenario_nonfinite(rank, world, tmp, method, mode):
     """A NaN gradient on rank 1 in one parameter at step 1: skip zeroes exactly that
     bucket on every rank and training continues; raise errors on every rank."""
     from verl_comm.compression import CompressionConfig
-    from verl_comm.hooks import make_hook
+    from verl_comm.hooks import register_comm_hook
 
     comp = {"none": "none", "lowrank_int8": "int8"}.get(method, method)
     cfg = CompressionConfig(
@@ -450,8 +450,7 @@ def scenario_nonfinite(rank, world, tmp, method, mode):
 
     model.blocks[2].weight.register_hook(nan_hook)
     ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
-    hook, state = make_hook(cfg)
-    ddp.register_comm_hook(state, hook)
+    state = register_comm_hook(ddp, cfg)  # the one-call helper
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     out: dict = {"hashes": [], "error": None}
     for step in range(3):

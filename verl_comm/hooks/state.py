@@ -301,7 +301,10 @@ class CommHookState:
         return {"config": self.config.model_dump(), "state": self.state_dict()}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__init__(None, CompressionConfig(**d["config"]))  # type: ignore[misc]
+        with warnings.catch_warnings():  # the config was validated (and warned) before
+            warnings.simplefilter("ignore")
+            config = CompressionConfig(**d["config"])
+        self.__init__(None, config)  # type: ignore[misc]
         self._deferred = d["state"]  # loaded when a hook first runs (the group exists then)
 
     def apply_deferred(self) -> None:

@@ -1,0 +1,309 @@
+"""One-process tests of the compression algorithms (collective passed in).
+
+W = 1 through :class:`LocalCollective` (invariants such as "input == aggregate + residual",
+as in epfml/powersgd's tests) and W = 2/3 through :class:`ThreadGroup` (one thread per rank,
+in-memory collectives).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from verl_comm.compression import (
+    CompressionConfig,
+    LinkModel,
+    LocalCollective,
+    LoopbackCollective,
+    LowRankBucketState,
+    ThreadGroup,
+    cast_allreduce,
+    decide,
+    int8_allreduce,
+    int8_allreduce_wire_bytes,
+    lowrank_int8_allreduce,
+    measure_link,
+    orthonormalize,
+    plan_lowrank,
+    ring_allreduce_wire_bytes,
+)
+
+
+def run_ranks(world: int, fn):
+    """Run ``fn(rank, collective)`` in ``world`` threads; return the results by rank."""
+    group = ThreadGroup(world, timeout_s=30)
+    out: list = [None] * world
+    errors: list = []
+
+    def target(r):
+        try:
+            out[r] = fn(r, group.collective(r))
+        except BaseException as e:  # pragma: no cover - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_method():
+    c = CompressionConfig()
+    assert (c.gradient_compression, c.compression_rank, c.quant_block) == ("none", None, 128)
+    assert (c.error_feedback, c.start_iter, c.policy, c.nonfinite) == (True, 2, "fixed", "raise")
+    assert (c.bucket_cap_mb, c.min_compression_rate, c.warm_start) == (25, 2.0, True)
+    assert c.method == "none"
+    assert CompressionConfig(gradient_compression="int8").method == "int8"
+    assert CompressionConfig(gradient_compression="int8", compression_rank=0).method == "int8"
+    assert CompressionConfig(gradient_compression="int8", compression_rank=64).method == (
+        "lowrank_int8"
+    )
+    for f in CompressionConfig.model_fields.values():
+        assert f.description
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"start_iter": 0}, "start_iter"),
+        ({"compression_rank": -1}, "compression_rank"),
+        ({"quant_block": 100}, "quant_block"),
+        ({"gradient_compression": "int4"}, "gradient_compression"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+        ({"min_compression_rate": 0.5}, "min_compression_rate"),
+        ({"compression_rank": 64}, "gradient_compression"),
+        ({"unknown_key": 1}, "unknown_key"),
+    ],
+)
+def test_config_errors_name_the_field(kw, field):
+    with pytest.raises(ValidationError) as ei:
+        CompressionConfig(**kw)
+    assert field in str(ei.value)
+
+
+def test_config_warns_below_rank_64():
+    with pytest.warns(UserWarning, match="below 64"):
+        CompressionConfig(gradient_compression="int8", compression_rank=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CompressionConfig(gradient_compression="int8", compression_rank=64)
+
+
+# -- int8 all-reduce -----------------------------------------------------------------------
+
+
+def test_int8_invariant_input_equals_aggregate_plus_residual():
+    torch.manual_seed(0)
+    x = torch.randn(1000) * torch.linspace(0.01, 10, 1000)
+    r_old = torch.randn(1000) * 0.01
+    r = r_old.clone()
+    res = int8_allreduce(x, LocalCollective(), block=64, residual=r)
+    # W = 1: the owner's requantisation of its own dequantised codes is exact
+    torch.testing.assert_close(res.out + r, x + r_old, rtol=0, atol=1e-5)
+    assert res.wire_bytes == 0 and bool(res.finite)
+
+
+@pytest.mark.parametrize("world,n,block", [(2, 1000, 32), (3, 4099, 128), (3, 7, 64)])
+def test_int8_multi_rank_bound_and_bit_identical(world, n, block):
+    torch.manual_seed(world * n)
+    xs = [torch.randn(n) * (1 + r) for r in range(world)]
+    results = run_ranks(world, lambda r, c: int8_allreduce(xs[r], c, block=block))
+    for res in results[1:]:
+        assert torch.equal(res.out, results[0].out)  # replicas bit-identical
+    mean = sum(xs) / world
+    # per block: each rank errs by <= absmax_w / 254, the owner by <= absmax_sum / 254
+    unit = world * block
+    n_pad = -(-n // unit) * unit
+    amax = torch.zeros(n_pad // block)
+    for x in xs:
+        amax += torch.nn.functional.pad(x, (0, n_pad - n)).view(-1, block).abs().amax(1)
+    bound = (amax / 127 / world).repeat_interleave(block)[:n] * (1 + 1e-4) + 1e-7
+    assert ((results[0].out - mean).abs() <= bound).all()
+    # bytes counted by the collective == closed form; <= 0.53x a bf16 ring all-reduce
+    assert results[0].wire_bytes == int8_allreduce_wire_bytes(n, world, block)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_int8_wire_bytes_vs_bf16(world):
+    n = 1 << 20
+    ratio = int8_allreduce_wire_bytes(n, world, 128) / ring_allreduce_wire_bytes(n, world, 2)
+    assert ratio <= 0.53  # (1 + 4/128) / 2 = 0.5156, independent of W
+    assert int8_allreduce_wire_bytes(n, world, 128) / ring_allreduce_wire_bytes(n, world, 4) < 0.27
+    res = run_ranks(2, lambda r, c: int8_allreduce(torch.randn(5000), c, block=128))
+    assert res[0].wire_bytes / ring_allreduce_wire_bytes(5000, 2, 2) <= 0.53
+
+
+def test_int8_nonfinite_flag_reaches_every_rank_and_empty_input():
+    def fn(r, c):
+        x = torch.randn(300)
+        if r == 1:
+            x[17] = float("nan")
+        return int8_allreduce(x, c, block=32)
+
+    assert [bool(r.finite) for r in run_ranks(3, fn)] == [False] * 3
+    empty = int8_allreduce(torch.zeros(0), LocalCollective())
+    assert empty.out.numel() == 0 and empty.wire_bytes == 0 and bool(empty.finite)
+
+
+def test_int8_bf16_residual_for_fp32_input_and_16bit_input():
+    x = torch.randn(500)
+    r = torch.zeros(500, dtype=torch.bfloat16)
+    res = int8_allreduce(x, LocalCollective(), block=32, residual=r)
+    assert (res.out + r.float() - x).abs().max() < 1e-2  # bf16-rounded residual
+    xb = torch.randn(500, dtype=torch.bfloat16)
+    out = torch.empty(500, dtype=torch.bfloat16)
+    res = int8_allreduce(xb, LocalCollective(), block=32, residual=torch.zeros(500), out=out)
+    assert res.out is out
+
+
+def test_cast_allreduce_fp16_bf16():
+    xs = [torch.randn(100), torch.randn(100)]
+    for dt, eps in ((torch.float16, 2**-11), (torch.bfloat16, 2**-8)):
+        res = run_ranks(2, lambda r, c, dt=dt: cast_allreduce(xs[r], c, wire_dtype=dt))
+        assert torch.equal(res[0].out, res[1].out)
+        mean = (xs[0] + xs[1]) / 2
+        assert ((res[0].out - mean).abs() <= 3 * eps * (xs[0].abs() + xs[1].abs()) / 2).all()
+        assert res[0].wire_bytes == ring_allreduce_wire_bytes(100, 2, 2)
+
+
+# -- low rank ------------------------------------------------------------------------------
+
+
+def test_plan_lowrank_hard_cases():
+    shapes = [(64, 32), (), (10,), (64, 32), (3, 4), (128, 8, 2, 2), (40, 9), (64, 32)]
+    plan = plan_lowrank(shapes, rank=4)
+    by_shape = {(g.n, g.m): [s.shape for s in g.slots] for g in plan.groups}
+    assert by_shape == {(64, 32): [(64, 32)] * 3, (128, 32): [(128, 8, 2, 2)]}  # batched, conv
+    assert [s.shape for s in plan.rest] == [(), (10,), (3, 4), (40, 9)]  # 0-d, 1-d, small, 2r>=9
+    assert plan.numel == sum(int(torch.Size(s).numel()) for s in shapes)
+    # min_compression_rate: 64x32 at rank 4 shrinks 5.3x; at a rate of 6 it is not compressed
+    assert not plan_lowrank([(64, 32)], 4, min_compression_rate=6).groups
+    with pytest.raises(ValueError, match="rank"):
+        plan_lowrank(shapes, 0)
+
+
+def test_orthonormalize_batched():
+    torch.manual_seed(0)
+    p = torch.randn(5, 100, 8)
+    q = orthonormalize(p)
+    eye = torch.eye(8).expand(5, 8, 8)
+    torch.testing.assert_close(q.mT @ q, eye, atol=1e-5, rtol=0)
+    # same column span: projecting p onto span(q) leaves it unchanged
+    torch.testing.assert_close(q @ (q.mT @ p), p, atol=1e-4, rtol=1e-4)
+    assert torch.equal(orthonormalize(torch.zeros(2, 10, 3)), torch.zeros(2, 10, 3))
+    deficient = torch.randn(1, 20, 1).expand(1, 20, 3).clone()  # rank 1
+    assert torch.isfinite(orthonormalize(deficient)).all()
+
+
+def _residual_flat(plan, st) -> torch.Tensor:
+    r = torch.zeros(plan.numel)
+    for gi, g in enumerate(plan.groups):
+        for i, s in enumerate(g.slots):
+            r[s.offset : s.offset + s.numel] = st.residuals[gi][i].reshape(-1).float()
+    o = 0
+    for s in plan.rest:
+        r[s.offset : s.offset + s.numel] = st.rest_residual[o : o + s.numel].float()
+        o += s.numel
+    return r
+
+
+def test_lowrank_invariant_and_warm_start():
+    """W = 1: input + old residual == aggregate + new residual (error feedback), and warm
+    start makes the error fall on a fixed low-rank input."""
+    torch.manual_seed(0)
+    shapes = [(64, 32), (64, 32), (10,), (), (128, 8, 2, 2)]
+    plan = plan_lowrank(shapes, rank=4)
+    u = torch.randn(2, 64, 2)
+    v = torch.randn(2, 2, 32)
+    flat = torch.randn(plan.numel)
+    for i, s in enumerate(plan.groups[0].slots):
+        flat[s.offset : s.offset + s.numel] = (u[i] @ v[i]).reshape(-1)  # rank 2 < 4
+    st = LowRankBucketState()
+    gen = torch.Generator().manual_seed(0)
+    errs = []
+    r_old = torch.zeros(plan.numel)
+    for _ in range(3):
+        res = lowrank_int8_allreduce(flat, plan, st, LocalCollective(), block=32, generator=gen)
+        r_new = _residual_flat(plan, st)
+        torch.testing.assert_close(res.out + r_new, flat + r_old, atol=1e-5, rtol=1e-5)
+        errs.append(float(st.residuals[0].norm() / flat[: 2 * 64 * 32].norm()))
+        r_old = r_new
+        assert st.qs[0].shape == (2, 32, 4)
+    assert errs[-1] < 0.05  # rank-2 matrices are captured by rank 4 (up to int8 error)
+    assert float(res.error_sq) >= 0 and float(res.input_sq) > 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lowrank_multi_rank_bit_identical_and_bytes(world):
+    torch.manual_seed(world)
+    shapes = [(48, 33), (48, 48), (48, 48), (48,), ()]
+    plan = plan_lowrank(shapes, rank=4)
+    flats = [torch.randn(plan.numel) for _ in range(world)]
+
+    def fn(r, c):
+        st = LowRankBucketState()
+        g = torch.Generator().manual_seed(7)  # same seed on every rank
+        outs = []
+        for _ in range(2):
+            outs.append(
+                lowrank_int8_allreduce(flats[r], plan, st, c, block=32, generator=g).out.clone()
+            )
+        return outs, c.bytes_sent
+
+    res = run_ranks(world, fn)
+    for outs, _ in res[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs, res[0][0]))
+    assert res[0][1] == 2 * plan.wire_bytes(world, 32)
+    fp32_bytes = ring_allreduce_wire_bytes(plan.numel, world, 4)
+    assert plan.wire_bytes(world, 32) < fp32_bytes / 3
+
+
+def test_lowrank_rejects_wrong_size():
+    plan = plan_lowrank([(8, 8)], rank=1)
+    with pytest.raises(ValueError, match="plan expects 64"):
+        lowrank_int8_allreduce(torch.zeros(10), plan, LowRankBucketState(), LocalCollective())
+
+
+# -- policy --------------------------------------------------------------------------------
+
+
+def test_policy_decide_slow_and_fast_links():
+    plain = ring_allreduce_wire_bytes(25 << 18, 2, 4)  # 25 MiB of fp32 on 2 ranks
+    comp = int8_allreduce_wire_bytes(25 << 18, 2, 128)
+    socket = LinkModel(alpha_s=60e-6, beta_s_per_byte=1 / 2.5e9, world_size=2)
+    nvlink = LinkModel(alpha_s=60e-6, beta_s_per_byte=1 / 300e9, world_size=2)
+    kw = dict(plain_bytes=plain, compressed_bytes=comp, compressed_collectives=2)
+    d = decide(socket, compute_s=0.5e-3, **kw)
+    assert d.compress and d.t_compressed_s < d.t_plain_s
+    d = decide(nvlink, compute_s=0.5e-3, **kw)
+    assert not d.compress and d.to_dict()["plain_bytes"] == plain
+    assert socket.busbw_GBps == pytest.approx(2.5)
+
+
+def test_measure_link_agrees_across_ranks():
+    links = run_ranks(2, lambda r, c: measure_link(c, torch.device("cpu"), large_bytes=1 << 16))
+    assert links[0] == links[1] and links[0].alpha_s > 0 and links[0].world_size == 2
+    assert measure_link(LocalCollective(), torch.device("cpu")).beta_s_per_byte == 0
+
+
+def test_loopback_collective_shapes_and_bytes():
+    c = LoopbackCollective(4)
+    x = torch.arange(8.0)
+    out = torch.empty(8)
+    c.all_to_all_single(out, x)
+    assert torch.equal(out, torch.tensor([0.0, 1, 0, 1, 0, 1, 0, 1]))
+    g = torch.empty(32)
+    c.all_gather_into_tensor(g, x)
+    assert torch.equal(g.view(4, 8)[3], x)
+    assert c.bytes_sent == 3 * 32 // 4 + 3 * 32
