@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    commit = _commit()  # the code that runs, read before it runs
     batches = make_batches(args.batches, args.batch_size)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_server(args, Path(tmp) / "server.log")
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             "verl_ppo": verl_ppo.__version__,
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit,
         "model": getattr(local, "name", args.model),
         "text": args.text,
         "max_length": args.max_length,
