@@ -1,0 +1,44 @@
+"""CI run of ``benchmarks/comm_hooks.py --smoke`` (CPU, gloo, 2 ranks) into a tmp folder."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(300)
+def test_comm_hooks_smoke(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "comm_hooks.py"), "--smoke", "--out",
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=280, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    recs = [json.loads(x) for x in (tmp_path / "comm_hooks.jsonl").read_text().splitlines()]
+    times = {r["hook"]: r for r in recs if r["metric"] == "step_time" and r["rank"] == "max"}
+    # torch's bf16_compress_hook needs CUDA: every other method is measured on CPU
+    expected = {
+        "compute_only", "none", "torch_powersgd_r32", "torch_powersgd_r128", "ours_bf16",
+        "ours_int8", "ours_lowrank_int8_r32", "ours_lowrank_int8_r64",
+        "ours_lowrank_int8_r128", "ours_auto", "reducer_none", "reducer_int8",
+    }  # fmt: skip
+    assert set(times) == expected
+    for r in recs:
+        assert r["benchmark"] == "comm_hooks" and r["transport"] == "gloo"
+        assert r["device"].startswith("cpu") and r["commit"] and r["date"] and r["versions"]
+    for h, r in times.items():
+        assert r["numerics_ok"] and r["value"] > 0 and r["unit"] == "ms", h
+        assert {x["rank"] for x in recs if x["hook"] == h and x["metric"] == "step_time"} == {
+            "max", 0, 1,
+        }  # fmt: skip
+    wire = {r["hook"]: r["value"] for r in recs if r["metric"] == "wire_bytes_per_step"}
+    assert wire["compute_only"] == 0
+    assert wire["ours_bf16"] * 2 == wire["none"]  # bf16 halves the fp32 ring bytes
+    assert 0 < wire["ours_int8"] < 0.3 * wire["none"]  # int8 + scales ~0.26x fp32
+    assert times["reducer_none"]["rel_error"] == 0 or times["reducer_none"]["rel_error"] < 1e-6
+    md = (tmp_path / "comm_hooks.md").read_text()
+    assert "| ours_int8 |" in md and "transport: gloo" in md
