@@ -33,6 +33,7 @@ def make_hook(
     recorder: CommRecorder | None = None,
     *,
     seed: int = 0,
+    collect_stats: bool = True,
 ) -> tuple[HookFn, CommHookState]:
     """The hook function selected by ``config`` and a fresh state for it.
 
@@ -41,6 +42,8 @@ def make_hook(
         process_group: group to average over; None = WORLD.
         recorder: optional telemetry sink (one record per bucket and step).
         seed: low-rank start-vector seed (equal on all ranks).
+        collect_stats: track relative error and residual norm per bucket (two extra
+            reductions over each bucket; turn off for timing runs).
 
     Returns:
         ``(hook, state)``; call ``hook(state, bucket)`` per bucket, or hand both to
@@ -54,7 +57,9 @@ def make_hook(
             f"config must be a verl_comm.compression.CompressionConfig, got "
             f"{type(config).__name__}; build one with CompressionConfig(**your_dict)"
         )
-    state = CommHookState(process_group, config, recorder=recorder, seed=seed)
+    state = CommHookState(
+        process_group, config, recorder=recorder, seed=seed, collect_stats=collect_stats
+    )
     return HOOKS[config.method], state
 
 

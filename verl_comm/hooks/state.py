@@ -330,18 +330,28 @@ class CommHookState:
         self.iteration += 1
         if not pending:
             return
-        flags = torch.stack([p["finite"].to("cpu", non_blocking=False) for p in pending])
+        # the hooks' device work ran on side streams: wait for it, then one transfer
+        for stream in self._streams.values():
+            stream.synchronize()
+        nan = float("nan")
+        scalars = []
+        for p in pending:
+            e, i = p["err_sq"], p["in_sq"]
+            scalars += [p["finite"].float(), nan if e is None else e, nan if i is None else i]
+        dev = pending[0]["finite"].device
+        vals = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=dev) for v in scalars])
+        vals = vals.cpu()
+        vals = vals.view(-1, 3).tolist()
         bad: list[int] = []
         stats: dict[int, BucketStats] = {}
-        for p, ok in zip(pending, flags.tolist()):
+        for p, (ok, e, i) in zip(pending, vals):
+            ok = ok == 1.0
             if p["t_end"] is not None:  # CUDA events
-                p["t_end"].synchronize()
                 time_s = p["t_start"].elapsed_time(p["t_end"]) / 1e3
             else:
                 time_s = p["time_s"]
             rel = res = None
-            if p["err_sq"] is not None and p["in_sq"] is not None:
-                e, i = float(p["err_sq"]), float(p["in_sq"])
+            if e == e and i == i:  # both tracked (not NaN)
                 rel = (e / i) ** 0.5 if i > 0 else 0.0
                 if p["has_residual"]:
                     res = e**0.5
