@@ -107,8 +107,22 @@ class ReshardExecutor:
         self.bucket_bytes, self.transport, self.recorder = int(bucket_bytes), transport, recorder
         self.local = [t for t in plan.local if t.dst == rank]
 
-    def _buckets(self, itemsize: int):
-        return make_buckets(self.plan, max(1, self.bucket_bytes // itemsize))
+        self._schedule: dict[int, tuple[list, int]] = {}
+
+    def schedule(self, itemsize: int) -> tuple[list[tuple[list[Transfer], list[Transfer]]], int]:
+        """This rank's ``(sends, receives)`` per bucket and the buffer size (elements) for
+        ``itemsize``-byte elements; computed once per element size."""
+        if itemsize not in self._schedule:
+            mine = []
+            for b in make_buckets(self.plan, max(1, self.bucket_bytes // itemsize)):
+                sends = sorted((t for t in b if t.src == self.rank), key=lambda t: t.dst)  # stable
+                recvs = sorted((t for t in b if t.dst == self.rank), key=lambda t: t.src)
+                mine.append((sends, recvs))
+            slot = max(
+                (sum(t.numel for t in s) + sum(t.numel for t in v) for s, v in mine), default=0
+            )
+            self._schedule[itemsize] = (mine, slot)
+        return self._schedule[itemsize]
 
     def run(
         self, train_shards: dict[str, torch.Tensor]
@@ -157,15 +171,7 @@ class ReshardExecutor:
             _view(outs[p := t.param], t.gbox, t.dst_offset, t.dst_strides).copy_(
                 _view(srcs[p], t.gbox, t.src_offset, t.src_strides)
             )
-        buckets = self._buckets(itemsize)
-        mine = []
-        for b in buckets:
-            sends = sorted((t for t in b if t.src == r), key=lambda t: t.dst)  # stable
-            recvs = sorted((t for t in b if t.dst == r), key=lambda t: t.src)
-            mine.append((sends, recvs))
-        slot_elems = max(
-            (sum(t.numel for t in s) + sum(t.numel for t in v) for s, v in mine), default=0
-        )
+        mine, slot_elems = self.schedule(itemsize)
         slots = [
             torch.empty(slot_elems, dtype=dtype, device=device)
             for _ in range(2 if len(mine) > 1 else len(mine))

@@ -1,0 +1,300 @@
+"""Tensor-parallel causal LM for rollout, built directly on resharded weights.
+
+Our own Megatron-style layers (Shoeybi et al. 2019) rather than torch's DTensor
+``parallelize_module``: that API starts from a full ``nn.Module`` on every rank (the
+full model materialised, which the hybrid engine must avoid) and needs a DeviceMesh
+whose DTensor ops are slow and partly unsupported on gloo. Here each rank holds only
+its rollout shards (the dict returned by :class:`~verl_ppo.reshard.engine.ReshardEngine`,
+used in place, no copy):
+
+- vocabulary-parallel embedding: local rows ``[t V/tp, (t+1) V/tp)``, others zero, all-reduce;
+- column-parallel q/k/v (GQA: local KV heads, replicated when TP > KV heads) and
+  gate/up (GPT-2: c_attn per q/k/v component, c_fc), no communication;
+- row-parallel o/down (GPT-2 c_proj), one all-reduce each, replicated bias added after;
+- vocabulary-parallel lm_head (tied: the embedding shard); logits all-gathered over TP
+  for the positions sampled.
+
+Numerics follow the HF implementations (RMSNorm in fp32, RoPE default type computed in
+fp32, HF activations), so greedy decoding matches the unsharded HF model token for token
+in fp32 (tests/verl_ppo/test_tp_model.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from verl_ppo.reshard.specs import LLAMA_FAMILY, model_dims
+
+
+@dataclass
+class TPGroup:
+    """A TP group as the rollout model needs it.
+
+    Attributes:
+        group: process group of the TP members (None = WORLD, or no communication when
+            ``size == 1``).
+        size: TP degree.
+        index: this rank's TP index (which shard it holds).
+        members: global ranks ordered by TP index (``members[0]`` samples and broadcasts).
+    """
+
+    group: dist.ProcessGroup | None
+    size: int
+    index: int
+    members: list[int]
+
+    @classmethod
+    def single(cls) -> TPGroup:
+        """TP degree 1: no communication."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return cls(None, 1, 0, [rank])
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the TP group in place (no-op at TP 1)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every member's ``x`` along the last dim in TP-index order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        # all_gather fills in group-rank order (sorted global ranks); reorder by TP index
+        by_global = dict(zip(sorted(self.members), parts))
+        return torch.cat([by_global[g] for g in self.members], dim=-1)
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``x`` with TP index 0's tensor (in place)."""
+        if self.size > 1:
+            dist.broadcast(x, src=self.members[0], group=self.group)
+        return x
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dt = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(dt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _activation(name: str):
+    try:
+        from transformers.activations import ACT2FN
+
+        return ACT2FN[name]
+    except ImportError:  # pragma: no cover - GPU machine without transformers
+        table = {
+            "silu": F.silu,
+            "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+            "gelu": F.gelu,
+        }
+        if name not in table:
+            raise ValueError(f"activation {name!r} unsupported without transformers") from None
+        return table[name]
+
+
+def _rope_theta(config: Any) -> float:
+    rp = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rtype = rp.get("rope_type", rp.get("type", "default"))
+    if rtype != "default":
+        raise ValueError(
+            f"rope_type {rtype!r} is not supported by the TP rollout model (default only)"
+        )
+    return float(rp.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+class KVCache:
+    """Preallocated keys/values per layer: ``(batch, local_kv_heads, max_len, head_dim)``."""
+
+    def __init__(
+        self, layers: int, batch: int, heads: int, max_len: int, head_dim: int, dtype, device
+    ):
+        shape = (batch, heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class TPCausalLM:
+    """Tensor-parallel forward for the Llama family (Llama, SmolLM2, Qwen2, Mistral) and GPT-2.
+
+    Args:
+        config: HF config of the model.
+        shards: this rank's rollout shards (name -> local tensor), as the reshard engine
+            returns them for TP index ``tp.index`` of ``tp.size``; used without copying.
+        tp: the TP group.
+
+    Raises:
+        KeyError: a shard is missing. ValueError: unsupported model type or rope type.
+    """
+
+    def __init__(self, config: Any, shards: dict[str, torch.Tensor], tp: TPGroup) -> None:
+        self.config, self.w, self.tp = config, shards, tp
+        d = self.dims = model_dims(config)
+        self.llama = d.model_type in LLAMA_FAMILY
+        self.nq = d.heads // tp.size
+        self.nkv = d.kv_heads // tp.size if d.kv_heads % tp.size == 0 else 1
+        self.vocab_local = d.vocab // tp.size
+        emb = "model.embed_tokens.weight" if self.llama else "transformer.wte.weight"
+        self.embed = shards[emb]
+        self.head = shards.get("lm_head.weight", self.embed) if not d.tied else self.embed
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        act = getattr(config, "hidden_act", None) or getattr(
+            config, "activation_function", "gelu_new"
+        )
+        self.act = _activation(act)
+        if self.llama:
+            theta = _rope_theta(config)
+            hd = d.head_dim
+            self.inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd)).to(
+                self.device
+            )
+            self.eps = config.rms_norm_eps
+        else:
+            self.eps = config.layer_norm_epsilon
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights this rank holds."""
+        return sum(t.numel() * t.element_size() for t in self.w.values())
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        return KVCache(
+            self.dims.num_layers,
+            batch,
+            self.nkv,
+            max_len,
+            self.dims.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.embed)
+        lo = self.tp.index * self.vocab_local
+        local = ids - lo
+        outside = (local < 0) | (local >= self.vocab_local)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        x = x.masked_fill(outside[..., None], 0.0)
+        return self.tp.all_reduce(x)
+
+    def _attend(self, q, k, v, layer: int, cache: KVCache, mask: torch.Tensor) -> torch.Tensor:
+        t0, t1 = cache.length, cache.length + q.shape[2]
+        cache.k[layer][:, :, t0:t1] = k
+        cache.v[layer][:, :, t0:t1] = v
+        keys, vals = cache.k[layer][:, :, :t1], cache.v[layer][:, :, :t1]
+        if self.nq != self.nkv:
+            keys = keys.repeat_interleave(self.nq // self.nkv, dim=1)
+            vals = vals.repeat_interleave(self.nq // self.nkv, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, keys, vals, attn_mask=mask, scale=1.0 / math.sqrt(self.dims.head_dim)
+        )
+        b, _, t, _ = out.shape
+        return out.transpose(1, 2).reshape(b, t, self.nq * self.dims.head_dim)
+
+    def _llama_layer(self, i: int, x, cos, sin, cache, mask):
+        w, p, hd = self.w, f"model.layers.{i}.", self.dims.head_dim
+        b, t, _ = x.shape
+        h = _rms_norm(x, w[p + "input_layernorm.weight"], self.eps)
+        q = F.linear(h, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
+        k = F.linear(h, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
+        v = F.linear(h, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
+        q = q.view(b, t, self.nq, hd).transpose(1, 2)
+        k = k.view(b, t, self.nkv, hd).transpose(1, 2)
+        v = v.view(b, t, self.nkv, hd).transpose(1, 2)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+        o = self.tp.all_reduce(
+            F.linear(self._attend(q, k, v, i, cache, mask), w[p + "self_attn.o_proj.weight"])
+        )
+        if p + "self_attn.o_proj.bias" in w:
+            o = o + w[p + "self_attn.o_proj.bias"]
+        x = x + o
+        h = _rms_norm(x, w[p + "post_attention_layernorm.weight"], self.eps)
+        g = F.linear(h, w[p + "mlp.gate_proj.weight"], w.get(p + "mlp.gate_proj.bias"))
+        u = F.linear(h, w[p + "mlp.up_proj.weight"], w.get(p + "mlp.up_proj.bias"))
+        m = self.tp.all_reduce(F.linear(self.act(g) * u, w[p + "mlp.down_proj.weight"]))
+        if p + "mlp.down_proj.bias" in w:
+            m = m + w[p + "mlp.down_proj.bias"]
+        return x + m
+
+    def _gpt2_layer(self, i: int, x, cache, mask):
+        w, p, hd = self.w, f"transformer.h.{i}.", self.dims.head_dim
+        b, t, hidden = x.shape
+        h = F.layer_norm(x, (hidden,), w[p + "ln_1.weight"], w[p + "ln_1.bias"], self.eps)
+        qkv = torch.addmm(
+            w[p + "attn.c_attn.bias"], h.view(-1, hidden), w[p + "attn.c_attn.weight"]
+        )
+        q, k, v = qkv.view(b, t, 3 * self.nq * hd).split(self.nq * hd, dim=2)
+        q, k, v = (z.view(b, t, self.nq, hd).transpose(1, 2) for z in (q, k, v))
+        a = self._attend(q, k, v, i, cache, mask)
+        o = (
+            self.tp.all_reduce(a.view(-1, a.shape[-1]) @ w[p + "attn.c_proj.weight"])
+            + w[p + "attn.c_proj.bias"]
+        )
+        x = x + o.view(b, t, hidden)
+        h = F.layer_norm(x, (hidden,), w[p + "ln_2.weight"], w[p + "ln_2.bias"], self.eps)
+        f = self.act(
+            torch.addmm(w[p + "mlp.c_fc.bias"], h.view(-1, hidden), w[p + "mlp.c_fc.weight"])
+        )
+        m = self.tp.all_reduce(f @ w[p + "mlp.c_proj.weight"]) + w[p + "mlp.c_proj.bias"]
+        return x + m.view(b, t, hidden)
+
+    @torch.no_grad()
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Run ``ids`` through the model, appending to ``cache``; return full-vocabulary
+        logits of the last position.
+
+        Args:
+            ids: ``(batch, T)`` int64 token ids.
+            positions: ``(batch, T)`` int64 position ids.
+            cache: KV cache holding ``cache.length`` earlier positions (advanced by T).
+            mask: ``(batch, 1, T, cache.length + T)`` bool, True = may attend.
+
+        Returns:
+            ``(batch, vocab)`` logits in fp32, identical on every TP member.
+        """
+        x = self._embed(ids)
+        if self.llama:
+            freqs = positions[..., None].float() * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+            for i in range(self.dims.num_layers):
+                x = self._llama_layer(i, x, cos, sin, cache, mask)
+            x = _rms_norm(x[:, -1], self.w["model.norm.weight"], self.eps)
+        else:
+            x = x + F.embedding(positions, self.w["transformer.wpe.weight"])
+            for i in range(self.dims.num_layers):
+                x = self._gpt2_layer(i, x, cache, mask)
+            hdim = x.shape[-1]
+            x = F.layer_norm(
+                x[:, -1],
+                (hdim,),
+                self.w["transformer.ln_f.weight"],
+                self.w["transformer.ln_f.bias"],
+                self.eps,
+            )
+        cache.length += ids.shape[1]
+        return self.tp.gather_last_dim(F.linear(x, self.head)).float()
