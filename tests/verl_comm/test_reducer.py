@@ -159,6 +159,55 @@ def scenario_vs_ddp(rank: int, world: int, hook_name: str, out: dict) -> None:
     del ddp, ref
 
 
+def scenario_vs_ddp_ours(rank: int, world: int, out: dict) -> None:
+    """verl_comm's int8 and int8 low-rank hooks: DDP vs the reducer, bucket for bucket.
+
+    All parameters are used, so DDP rebuilds its buckets from the ready order after
+    iteration 0, as the reducer does; with start_iter=1 both compress from iteration 1
+    on identical bucket layouts, so the gradients must agree to float rounding.
+    """
+    import warnings
+
+    from verl_comm.compression.config import CompressionConfig
+    from verl_comm.hooks import make_hook
+
+    warnings.simplefilter("ignore")
+    cap = 0.002
+    configs = {
+        "int8": CompressionConfig(gradient_compression="int8", start_iter=1, bucket_cap_mb=cap),
+        "lowrank": CompressionConfig(
+            gradient_compression="int8", compression_rank=2, start_iter=1, bucket_cap_mb=cap
+        ),
+    }
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        ref = ScalarNet()
+        torch.manual_seed(0)
+        mine = ScalarNet()
+        for m in (ref, mine):  # every parameter used: DDP rebuilds its buckets
+            del m.rank0_only, m.never_used
+        ddp = torch.nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=cap)
+        ddp.register_comm_hook(*reversed(make_hook(cfg)))
+        hook, state = make_hook(cfg)
+        red = BucketedReducer(mine, hook, state, bucket_cap_mb=cap, first_bucket_cap_mb=None)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        opt_mine = torch.optim.SGD(mine.parameters(), lr=0.1)
+        out[name] = {"ddp": [], "mine": [], "buckets": len(red.buckets), "methods": []}
+        for step in range(4):
+            x, y = _batch(rank, step)
+            _loss(ddp, x, y, rank).backward()
+            _loss(mine, x, y, rank).backward()
+            red.finalize()
+            out[name]["ddp"].append(_grads(ref))
+            out[name]["mine"].append(_grads(mine))
+            out[name]["methods"].append(sorted({s.method for s in state.last_stats.values()}))
+            for opt in (opt_ref, opt_mine):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        out[name]["buckets"] = len(red.buckets)
+        del ddp, ref
+
+
 def scenario_overlap(rank: int, world: int, out: dict) -> None:
     """Many small buckets: the first launch must come before the last gradient."""
     torch.manual_seed(0)
@@ -237,6 +286,7 @@ def scenario_timeout(rank: int, world: int, out: dict) -> None:
 SCENARIOS = {
     "vs_ddp_allreduce": lambda r, w, o: scenario_vs_ddp(r, w, "allreduce", o),
     "vs_ddp_fp16": lambda r, w, o: scenario_vs_ddp(r, w, "fp16", o),
+    "vs_ddp_ours": scenario_vs_ddp_ours,
     "overlap": scenario_overlap,
     "accumulation": scenario_accumulation,
     "timeout": scenario_timeout,
@@ -327,6 +377,25 @@ def test_reducer_matches_ddp(results, hook):
         assert out["buckets"][0] > 1  # several buckets, rebuilt after step 0
     for name, p in res[0]["params"].items():
         assert torch.equal(p, res[1]["params"][name]), f"replicas differ at {name}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hook", ["int8", "lowrank"])
+def test_reducer_matches_ddp_with_verl_comm_hooks(results, hook):
+    for r, out in enumerate(results["vs_ddp_ours"]):
+        o = out[hook]
+        assert o["buckets"] > 1
+        want = "int8" if hook == "int8" else "lowrank_int8"
+        assert o["methods"][0] == ["allreduce"] and want in o["methods"][-1], o["methods"]
+        for step, (ref, mine) in enumerate(zip(o["ddp"], o["mine"])):
+            _assert_grads_close(ref, mine, 1e-5, 1e-7, f"{hook} rank {r} step {step}")
+    a, b = (res["vs_ddp_ours"][hook]["mine"][-1] for res in _by_rank(results))
+    for name in a:  # replicas bit-identical
+        assert (a[name] is None and b[name] is None) or torch.equal(a[name], b[name]), name
+
+
+def _by_rank(results):
+    return [{k: v[r] for k, v in results.items()} for r in range(2)]
 
 
 @pytest.mark.timeout(300)
