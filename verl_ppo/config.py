@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from verl_comm.compression.config import CompressionConfig
 
@@ -58,6 +65,15 @@ class ModelConfig(_Strict):
 
 class DataConfig(_Strict):
     """Prompt source: a reasoning-gym task."""
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        from verl_ppo.data.tasks import TASKS
+
+        if v not in TASKS:
+            raise ValueError(f"unknown task {v!r}; choose one of {sorted(TASKS)}")
+        return v
 
     task: str = Field(
         "basic_arithmetic", description="basic_arithmetic|chain_sum|countdown|gsm_symbolic"

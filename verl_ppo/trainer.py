@@ -245,7 +245,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ step
     def train_step(self, step: int) -> dict[str, float]:
         """One PPO step (collective); returns metrics averaged over ranks."""
-        cfg, alg = self.config, self.config.algorithm
+        cfg = self.config
         timer = PhaseTimer(sync_cuda=self.cuda)
         m: dict[str, float] = {}
         texts, entries, groups = self._prompts(step)

@@ -36,17 +36,21 @@ SYSTEM_PROMPT = (
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _OPEN_RE = re.compile(r"<answer>(.*)$", re.DOTALL | re.IGNORECASE)
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+# Tasks whose answers are numbers: without a tag, the last number of the response counts
+# (a 135M model rarely uses the tag at first; this keeps the reward informative).
+NUMERIC_TASKS = frozenset({"basic_arithmetic", "chain_sum", "gsm_symbolic"})
 
 
 class TaskError(ValueError):
     """Unknown task or bad task arguments; the message lists the valid choices."""
 
 
-def extract_answer(text: str) -> str | None:
+def extract_answer(text: str, numeric: bool = False) -> str | None:
     """Return the content of the last ``<answer>...</answer>`` in ``text`` (stripped).
 
-    An opening tag cut off by the length limit or by EOS yields the text after it, so a
-    response that ends right after the number still scores. Returns None when no tag.
+    An opening tag cut off by the length limit or by EOS yields the text after it. Without
+    any tag: for ``numeric`` tasks the last number in the text, otherwise None.
     """
     found = _ANSWER_RE.findall(text)
     if found:
@@ -54,6 +58,9 @@ def extract_answer(text: str) -> str | None:
     m = _OPEN_RE.search(text)
     if m:
         return m.group(1).strip() or None
+    if numeric:
+        nums = _NUMBER_RE.findall(text)
+        return nums[-1] if nums else None
     return None
 
 
@@ -127,5 +134,5 @@ class Task:
 
     def score(self, completion: str, entry: dict) -> float:
         """reasoning-gym's score in [0, 1] of the answer extracted from ``completion``."""
-        answer = extract_answer(completion)
+        answer = extract_answer(completion, numeric=self.name in NUMERIC_TASKS)
         return float(self.train.score_answer(answer=answer, entry=entry))

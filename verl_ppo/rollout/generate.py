@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from verl_ppo.compat import CACHE_KWARG
+
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Top-k then nucleus (top-p) filtering of ``logits (B, V)``; removed entries -> -inf."""
@@ -104,8 +106,8 @@ def generate(
             input_ids=nxt[:, None],
             attention_mask=mask,
             position_ids=next_pos[:, None],
-            past_key_values=past,
             use_cache=True,
+            **{CACHE_KWARG: past},
         )
         past = out.past_key_values
         logits = out.logits[:, -1, :]

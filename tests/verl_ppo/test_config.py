@@ -1,0 +1,101 @@
+"""Config validation: every error names the field and the fix."""
+
+import pytest
+
+from verl_ppo.config import ConfigError, PPOConfig, build_config, load_config, parse_overrides
+
+
+def test_defaults_validate_and_derive():
+    cfg = PPOConfig()
+    d = cfg.derived(2)
+    assert d.local_rollout_batch_size == cfg.train.rollout_batch_size // 2
+    assert d.grad_accum_steps * d.local_micro_batch_size == d.local_mini_batch_size
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"train\.num_stepz: unknown key"):
+        build_config({"train": {"num_stepz": 3}})
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ConfigError, match=r"train\.num_steps"):
+        build_config({"train": {"num_steps": "many"}})
+
+
+def test_grpo_needs_samples():
+    with pytest.raises(ConfigError, match=r"n_samples >= 2"):
+        build_config({"algorithm": {"adv_estimator": "grpo", "n_samples": 1}})
+
+
+def test_batch_not_dividing_ranks():
+    cfg = build_config({"train": {"rollout_batch_size": 6, "ppo_mini_batch_size": 6}})
+    with pytest.raises(
+        ConfigError, match=r"train.rollout_batch_size=6 does not divide evenly by ranks \(4\)"
+    ):
+        cfg.derived(4)
+
+
+def test_minibatch_must_divide_rollout():
+    with pytest.raises(ConfigError, match="not a multiple of train.ppo_mini_batch_size"):
+        build_config({"train": {"rollout_batch_size": 8, "ppo_mini_batch_size": 3}})
+
+
+def test_kl_in_two_places_rejected():
+    with pytest.raises(ConfigError, match="choose one place"):
+        build_config({"algorithm": {"kl": {"use_kl_in_reward": True, "use_kl_loss": True}}})
+
+
+def test_top_level_compression_keys_are_lifted():
+    cfg = build_config({"gradient_compression": "int8", "compression_rank": 64})
+    assert cfg.compression.gradient_compression == "int8"
+    assert cfg.compression.compression_rank == 64
+
+
+def test_keyword_overrides_like_the_python_api():
+    cfg = build_config({}, gradient_compression="bf16", **{"train.num_steps": 3})
+    assert cfg.compression.gradient_compression == "bf16" and cfg.train.num_steps == 3
+
+
+def test_hybrid_engine_keys_accepted():
+    cfg = build_config({"actor": {"model_config": {"hybrid_engine": {"enable": False}}}})
+    assert cfg.actor.model_config_.hybrid_engine.enable is False
+
+
+def test_not_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(p)
+
+
+def test_not_a_mapping(tmp_path):
+    p = tmp_path / "list.yaml"
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a YAML mapping"):
+        load_config(p)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/cfg.yaml")
+
+
+def test_overrides_parse_yaml_scalars():
+    assert parse_overrides(["a.b=3", "c=true", "d=[1, 2]", "e=x"]) == {
+        "a": {"b": 3},
+        "c": True,
+        "d": [1, 2],
+        "e": "x",
+    }
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        parse_overrides(["novalue"])
+
+
+def test_shipped_configs_validate():
+    for name in ("default", "tiny", "long_grpo"):
+        load_config(f"configs/{name}.yaml")
+
+
+def test_unknown_task_named():
+    with pytest.raises(ConfigError, match=r"data\.task: .*unknown task 'nope'"):
+        build_config({"data": {"task": "nope"}})
