@@ -27,9 +27,11 @@ import json
 import os
 import platform
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from importlib import metadata
@@ -94,12 +96,13 @@ def check_kernels() -> dict:
         return {"ok": False, "status": "FAILED", "detail": f"{type(e).__name__}: {e}"}
 
 
-def check_env() -> dict:
-    """Lint this process's environment."""
+def check_env(host=None) -> dict:
+    """Lint this process's environment (``host``: a :class:`~verl_comm.nccl.HostInfo`, or
+    ``None`` to detect it)."""
     from verl_comm.nccl import has_errors, lint
     from verl_comm.nccl.presets import comm_env
 
-    findings = lint(os.environ)
+    findings = lint(os.environ, host=host)
     return {
         "ok": not has_errors(findings),
         "variables": comm_env(os.environ),
@@ -107,11 +110,9 @@ def check_env() -> dict:
     }
 
 
-def check_topology() -> dict:
-    """Interfaces, IB devices, GPUs and the NVLink matrix (nvidia-smi calls bounded)."""
-    from verl_comm.nccl.topology import detect_host
-
-    host = detect_host(timeout_s=10.0)
+def check_topology(host) -> dict:
+    """Interfaces, IB devices, GPUs and the NVLink matrix of ``host`` (a
+    :class:`~verl_comm.nccl.HostInfo`); fails on NVLink pairs below the platform's count."""
     out = host.to_dict()
     if host.topo is not None:
         gpus = host.topo.gpus
@@ -148,8 +149,12 @@ def check_distributed(
     """
     env = dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    log_dir = tempfile.mkdtemp(prefix="verl_comm_doctor_")
     if backend == "nccl" and "NCCL_DEBUG" not in env:
-        env["NCCL_DEBUG"] = "INFO"  # to read the chosen transport; user settings are kept
+        # to read the chosen transport; user settings are kept. NCCL logs to stdout unless
+        # NCCL_DEBUG_FILE is set: keep its lines in per-process files instead.
+        env["NCCL_DEBUG"] = "INFO"
+        env.setdefault("NCCL_DEBUG_FILE", os.path.join(log_dir, "nccl.%h.%p.log"))
     port = _free_port()
     procs = []
     for r in range(nproc):
@@ -190,7 +195,7 @@ def check_distributed(
                 ln for ln in stderr.splitlines()[-15:] if "NCCL INFO" not in ln
             )
         ranks.append(info)
-        logs.append(stderr)
+        logs += [stdout, stderr]
     out = {"ok": all(i["ok"] for i in ranks), "nproc": nproc, "backend": backend,
            "timeout_s": timeout_s, "ranks": ranks}  # fmt: skip
     r0 = ranks[0]["steps"]
@@ -200,6 +205,10 @@ def check_distributed(
         out["bandwidth"] = {
             k: r0["bandwidth"][k] for k in ("bytes", "s", "algbw_GBps", "busbw_GBps")
         }
+    for name in sorted(os.listdir(log_dir)):
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            logs.append(f.read())
+    shutil.rmtree(log_dir, ignore_errors=True)
     if backend == "nccl":
         out["transport"] = parse_transports("\n".join(logs))
     return out
@@ -227,6 +236,8 @@ def _fmt_text(report: dict) -> str:
                              for i in t["interfaces"]))  # fmt: skip
     for pair, n in t.get("nvlinks", {}).items():
         lines.append(f"    {pair}: {n} NVLinks")
+    if t.get("topo_error"):
+        lines.append(f"    note: {t['topo_error']}")
     for prob in t["nvlink_problems"]:
         lines.append(f"    problem: {prob}")
     d = report.get("distributed")
@@ -268,8 +279,11 @@ def _fmt_text(report: dict) -> str:
 def run_doctor(args: argparse.Namespace) -> dict:
     """Run every check; return the report dict (``report["ok"]`` is the verdict)."""
     t0 = time.perf_counter()
+    from verl_comm.nccl.topology import detect_host
+
+    host = detect_host(timeout_s=10.0)  # nvidia-smi calls bounded to 10 s each
     report: dict = {"versions": check_versions(), "kernels": check_kernels(),
-                    "env": check_env(), "topology": check_topology()}  # fmt: skip
+                    "env": check_env(host), "topology": check_topology(host)}  # fmt: skip
     if args.nproc > 0:
         report["distributed"] = check_distributed(
             args.nproc, args.backend, args.timeout, args.startup, args.bw_bytes, args.iters

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from verl_comm import doctor
+from verl_comm.nccl.topology import HostInfo, check_nvlinks, parse_topo_matrix
+
+DATA = Path(__file__).parent / "data"
 
 NCCL_LOG = """\
 h200:1234:1250 [0] NCCL INFO NCCL version 2.28.9+cuda13.0
@@ -89,3 +93,14 @@ def test_doctor_without_distributed_check_reports_text(capsys, monkeypatch):
     assert "[PASS] versions" in out and "topology" in out and "kernels self-test" in out
     assert "distributed" not in out
     assert rc == (0 if "[FAIL]" not in out else 1)
+
+
+def test_topology_check_fails_on_degraded_nvlink():
+    topo = parse_topo_matrix((DATA / "topo_8xa100_sxm_degraded.txt").read_text())
+    name = "NVIDIA A100-SXM4-80GB"
+    host = HostInfo(gpu_names=[name] * 8, topo=topo, nvlink_problems=check_nvlinks(topo, name))
+    got = doctor.check_topology(host)
+    assert not got["ok"] and got["nvlinks"]["GPU2-GPU5"] == 11 and got["nvlinks"]["GPU0-GPU1"] == 12
+    h200 = parse_topo_matrix((DATA / "topo_2xh200_nv18.txt").read_text())
+    got = doctor.check_topology(HostInfo(gpu_names=["NVIDIA H200"] * 2, topo=h200))
+    assert got["ok"] and got["nvlinks"] == {"GPU0-GPU1": 18}

@@ -228,6 +228,7 @@ class HostInfo:
         gpu_names: ``nvidia-smi --query-gpu=name`` per GPU (empty without NVIDIA GPUs).
         topo: parsed ``nvidia-smi topo -m`` or ``None``.
         nvlink_problems: output of :func:`check_nvlinks`.
+        topo_error: why ``nvidia-smi topo -m`` could not be parsed (``None``: parsed or absent).
     """
 
     interfaces: list[Interface] = field(default_factory=list)
@@ -235,6 +236,7 @@ class HostInfo:
     gpu_names: list[str] = field(default_factory=list)
     topo: TopoMatrix | None = None
     nvlink_problems: list[str] = field(default_factory=list)
+    topo_error: str | None = None
 
     @property
     def interface_names(self) -> list[str]:
@@ -257,8 +259,8 @@ def detect_host(timeout_s: float = 10.0) -> HostInfo:
     if text:
         try:
             info.topo = parse_topo_matrix(text)
-        except ValueError as e:
-            info.nvlink_problems.append(f"could not parse nvidia-smi topo -m: {e}")
+        except ValueError as e:  # our parser's limit, not the machine's fault
+            info.topo_error = f"could not parse nvidia-smi topo -m: {e}"
         if info.topo is not None and info.gpu_names:
             info.nvlink_problems += check_nvlinks(info.topo, info.gpu_names[0])
     return info
