@@ -1,0 +1,13 @@
+"""Profiler that finds the bottleneck of a training step and says what to do.
+
+- :class:`VerlProfiler` (:mod:`~verl_comm.profiler.core`): phases, steps, communication,
+  memory, built on ``torch.profiler``; writes ``profile_rank{r}.json`` + Chrome trace.
+- :mod:`~verl_comm.profiler.analysis`: metrics of a run; :mod:`~verl_comm.profiler.diagnose`:
+  the four symptoms with evidence and remedy; :mod:`~verl_comm.profiler.render`: text, PNG;
+  :mod:`~verl_comm.profiler.cli`: ``verl-comm profile report DIR``.
+"""
+
+from verl_comm.profiler.core import VerlProfiler
+from verl_comm.profiler.diagnose import Thresholds, diagnose
+
+__all__ = ["VerlProfiler", "Thresholds", "diagnose"]

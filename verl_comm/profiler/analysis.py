@@ -1,0 +1,276 @@
+"""Metrics from the files written by :class:`~verl_comm.profiler.core.VerlProfiler`.
+
+A run is a folder with ``profile_rank{r}.json`` files (one per rank). Per rank:
+
+- step times from the step windows; across ranks, step ``i`` takes the max over ranks;
+- phase shares: top-level (depth 0) phase time / step time;
+- communication: the union of intervals (counted once) of our recorder's records and
+  torch's gloo work events (CPU), or of NCCL kernels when the device trace has them;
+  share of step time, share of backward (``update_*``/``backward`` phases);
+- exposed communication: on CUDA, NCCL kernel time not overlapped by other kernels; on
+  CPU every blocking collective is exposed (the host waits for it);
+- device idle gaps (CUDA): parts of each step with no kernel, memcpy or memset running;
+- rollout latency per batch (``record_rollout`` or ``gen`` phase durations); reshard time
+  (``reshard`` phases) and bytes (records tagged ``reshard...``); peak memory per phase.
+
+Breakdowns are those of rank 0 unless stated (``per_rank`` keeps every rank's shares).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from verl_comm.profiler import intervals as iv
+
+BACKWARD_PHASES = ("update_actor", "update_critic", "backward")
+HOST_PHASES = ("reward", "data", "dataload", "tokenize", "reward_scoring")
+ROLLOUT_PHASE = "gen"
+RESHARD_PHASE = "reshard"
+
+
+def find_runs(path: str | Path) -> list[Path]:
+    """Folders under ``path`` (itself included) holding ``profile_rank*.json``, sorted.
+
+    Raises:
+        FileNotFoundError: when there is none (the message names the folder).
+    """
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"profile report: {root} does not exist")
+    runs = sorted({p.parent for p in root.rglob("profile_rank*.json")})
+    if not runs:
+        raise FileNotFoundError(
+            f"profile report: no profile_rank*.json under {root}; point it at the profiler's "
+            "output_dir (VerlProfiler(output_dir=...), written at stop())"
+        )
+    return runs
+
+
+def load_run(run_dir: str | Path) -> list[dict]:
+    """The per-rank profile dicts of one run, sorted by rank."""
+    out = []
+    for p in Path(run_dir).glob("profile_rank*.json"):
+        try:
+            out.append(json.loads(p.read_text()))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{p}: not a profiler JSON ({exc})") from None
+    return sorted(out, key=lambda d: d["meta"]["rank"])
+
+
+def _pct(values, q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
+
+
+def _stats(values) -> dict:
+    if not len(values):
+        return {"n": 0, "mean": None, "p50": None, "p99": None, "p99_over_p50": None}
+    p50, p99 = _pct(values, 50), _pct(values, 99)
+    return {
+        "n": len(values),
+        "mean": float(np.mean(values)),
+        "p50": p50,
+        "p99": p99,
+        "p99_over_p50": p99 / p50 if p50 > 0 else None,
+        "max": float(np.max(values)),
+    }
+
+
+def _comm_intervals(data: dict) -> tuple[list[iv.Interval], str]:
+    """Communication intervals and their source description."""
+    kernels = [
+        (e["t0"], e["t1"]) for e in data.get("torch_comm", []) if e.get("source") == "kernel"
+    ]
+    if kernels:
+        return iv.union(kernels), "NCCL kernels (device timeline)"
+    rec = [
+        (r["start_s"], r["start_s"] + r["duration_s"])
+        for r in data.get("comm", [])
+        if r.get("start_s", 0.0) > 0
+    ]
+    work = [(e["t0"], e["t1"]) for e in data.get("torch_comm", []) if e.get("source") == "gloo"]
+    return iv.union(rec + work), "CommRecorder records + torch gloo work events (host blocking)"
+
+
+def analyze_rank(data: dict) -> dict:
+    """Metrics of one rank's profile dict (see the module docstring)."""
+    steps = data.get("steps", [])
+    windows = [(s["t0"], s["t1"]) for s in steps]
+    step_total = sum(b - a for a, b in windows)
+    top = [p for p in data.get("phases", []) if p.get("depth", 0) == 0]
+    comm_iv, comm_source = _comm_intervals(data)
+    comm_in_steps = [iv.clip(comm_iv, a, b) for a, b in windows]
+
+    # per-step breakdown
+    per_step = []
+    for s, (a, b), civ in zip(steps, windows, comm_in_steps):
+        ph = defaultdict(float)
+        for p in top:
+            if p["step"] == s["step"]:
+                ph[p["name"]] += p["t1"] - p["t0"]
+        per_step.append(
+            {"step": s["step"], "time_s": b - a, "phases": dict(ph), "comm_s": iv.total(civ)}
+        )
+
+    # phases
+    phases: dict[str, dict] = {}
+    for p in data.get("phases", []):
+        d = phases.setdefault(
+            p["name"], {"total_s": 0.0, "count": 0, "depth": p.get("depth", 0), "mem_peak": None}
+        )
+        d["total_s"] += p["t1"] - p["t0"]
+        d["count"] += 1
+        d["depth"] = min(d["depth"], p.get("depth", 0))
+        if p.get("mem_peak") is not None:
+            d["mem_peak"] = max(d["mem_peak"] or 0, p["mem_peak"])
+            d["mem_reserved_end"] = max(d.get("mem_reserved_end", 0), p["mem_end"]["reserved"])
+    n_steps = max(len(steps), 1)
+    for d in phases.values():
+        d["per_step_s"] = d["total_s"] / n_steps
+        d["share"] = d["total_s"] / step_total if step_total > 0 and d["depth"] == 0 else None
+    top_share = sum(d["share"] or 0.0 for d in phases.values())
+
+    # communication
+    comm_total = sum(iv.total(c) for c in comm_in_steps)
+    bwd = [(p["t0"], p["t1"]) for p in top if p["name"] in BACKWARD_PHASES]
+    bwd_total = iv.total(bwd)
+    comm_bwd = sum(iv.total(iv.clip(comm_iv, a, b)) for a, b in iv.union(bwd))
+    kernels = data.get("kernels", [])
+    if kernels:
+        compute = [(k["t0"], k["t1"]) for k in kernels if not k.get("comm")]
+        exposed = sum(iv.total(iv.clip(iv.subtract(comm_iv, compute), a, b)) for a, b in windows)
+        exposed_note = "NCCL kernel time with no compute kernel running"
+    else:
+        exposed = comm_total
+        exposed_note = "host-blocking collectives: all exposed"
+    by_tag: dict[str, dict] = {}
+    for r in data.get("comm", []):
+        key = f"{r['op']} {r.get('tag', '')}".strip()
+        d = by_tag.setdefault(key, {"count": 0, "bytes": 0, "time_s": 0.0})
+        d["count"] += 1
+        d["bytes"] += int(r["nbytes"])
+        d["time_s"] += float(r["duration_s"])
+    torch_ops: dict[str, int] = defaultdict(int)
+    for e in data.get("torch_comm", []):
+        torch_ops[e["name"] if e["source"] != "kernel" else "nccl kernel"] += 1
+
+    # device idle gaps
+    idle = None
+    if kernels:
+        dev = [(k["t0"], k["t1"]) for k in kernels]
+        all_gaps = []
+        for a, b in windows:
+            for g0, g1 in iv.gaps(dev, a, b):
+                mid = 0.5 * (g0 + g1)
+                where = next(
+                    (p["name"] for p in top if p["t0"] <= mid <= p["t1"]), "(between phases)"
+                )
+                all_gaps.append({"t0": g0, "t1": g1, "dur_s": g1 - g0, "phase": where})
+        by_phase: dict[str, float] = defaultdict(float)
+        for g in all_gaps:
+            by_phase[g["phase"]] += g["dur_s"]
+        idle_total = sum(g["dur_s"] for g in all_gaps)
+        idle = {
+            "total_s": idle_total,
+            "share": idle_total / step_total if step_total > 0 else None,
+            "by_phase_s": dict(by_phase),
+            "largest": sorted(all_gaps, key=lambda g: -g["dur_s"])[:5],
+        }
+
+    # rollout, reshard, host phases
+    rollouts = [r["latency_s"] for r in data.get("rollouts", [])]
+    rollout_source = "record_rollout"
+    if not rollouts:
+        rollouts = [p["t1"] - p["t0"] for p in data.get("phases", []) if p["name"] == ROLLOUT_PHASE]
+        rollout_source = f"'{ROLLOUT_PHASE}' phase durations"
+    reshard_bytes = sum(
+        int(r["nbytes"])
+        for r in data.get("comm", [])
+        if str(r.get("tag", "")).startswith("reshard")
+    )
+    host = sum(phases[n]["total_s"] for n in HOST_PHASES if n in phases and phases[n]["depth"] == 0)
+    meta = data.get("meta", {})
+    return {
+        "rank": meta.get("rank", 0),
+        "steps": _stats([s["time_s"] for s in per_step]),
+        "per_step": per_step,
+        "step_total_s": step_total,
+        "phases": phases,
+        "unattributed_share": max(0.0, 1.0 - top_share) if step_total > 0 else None,
+        "comm": {
+            "source": comm_source,
+            "total_s": comm_total,
+            "per_step_s": comm_total / n_steps,
+            "share_of_step": comm_total / step_total if step_total > 0 else None,
+            "backward_s": bwd_total,
+            "share_of_backward": comm_bwd / bwd_total if bwd_total > 0 else None,
+            "exposed_s": exposed,
+            "exposed_share_of_step": exposed / step_total if step_total > 0 else None,
+            "exposed_note": exposed_note,
+            "by_tag": by_tag,
+            "bytes_total": sum(d["bytes"] for d in by_tag.values()),
+            "torch_ops": dict(torch_ops),
+        },
+        "gpu_idle": idle,
+        "host_share": host / step_total if step_total > 0 else None,
+        "rollout": {**_stats(rollouts), "source": rollout_source},
+        "reshard": {
+            "time_s": phases.get(RESHARD_PHASE, {}).get("total_s", 0.0),
+            "per_step_s": phases.get(RESHARD_PHASE, {}).get("per_step_s", 0.0),
+            "bytes": reshard_bytes,
+            "enabled": RESHARD_PHASE in phases,
+        },
+        "overhead": {
+            "bookkeeping_s": meta.get("overhead_s", 0.0),
+            "share_of_step": (meta.get("overhead_s", 0.0) / step_total) if step_total > 0 else None,
+        },
+        "memory_timeline": data.get("memory", []),
+    }
+
+
+def analyze_run(run_dir: str | Path) -> dict:
+    """Metrics of one run: rank 0's breakdown, step times as the max over ranks per step,
+    and every rank's communication and host shares (``per_rank``).
+
+    Raises:
+        ValueError: when the run has no profiled step.
+    """
+    ranks = load_run(run_dir)
+    per = [analyze_rank(d) for d in ranks]
+    if not per or not per[0]["per_step"]:
+        raise ValueError(
+            f"{run_dir}: no profiled step (call prof.step() after each step, and check "
+            "profiler.steps against the steps the job ran)"
+        )
+    by_step: dict[int, float] = defaultdict(float)
+    for a in per:
+        for s in a["per_step"]:
+            by_step[s["step"]] = max(by_step[s["step"]], s["time_s"])
+    main = dict(per[0])
+    main["step_time_max_over_ranks"] = _stats(list(by_step.values()))
+    main["per_rank"] = [
+        {
+            "rank": a["rank"],
+            "step_p50_s": a["steps"]["p50"],
+            "comm_share_of_step": a["comm"]["share_of_step"],
+            "comm_share_of_backward": a["comm"]["share_of_backward"],
+            "host_share": a["host_share"],
+        }
+        for a in per
+    ]
+    meta = ranks[0]["meta"]
+    main["run"] = {
+        "dir": str(run_dir),
+        "ranks": len(ranks),
+        "world_size": meta.get("world_size"),
+        "device": meta.get("device"),
+        "cuda": meta.get("cuda"),
+        "torch": meta.get("torch"),
+        "cuda_sync": meta.get("cuda_sync"),
+        "torch_profiler": meta.get("torch_profiler"),
+        "trace": meta.get("trace"),
+    }
+    return main

@@ -1,0 +1,132 @@
+"""``verl-comm profile report DIR``: tables, diagnosis, chart.
+
+``DIR`` is a profiler ``output_dir`` (``profile_rank*.json``) or a folder of such folders
+(one report per run, e.g. ``none/`` and ``int8/``).
+
+Examples::
+
+    verl-comm profile report ./profile_logs                # text
+    verl-comm profile report ./profile_logs --json         # one JSON document on stdout
+    verl-comm profile report runs/ --save                  # also report.txt/.json/.png per run
+
+Exit codes: 0 report written; 2 bad arguments or nothing to report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from verl_comm.profiler.analysis import analyze_run, find_runs
+from verl_comm.profiler.diagnose import Thresholds, diagnose
+from verl_comm.profiler.render import plot_report, text_report
+
+
+def _clean(obj):
+    """JSON-safe copy (NaN/inf -> None)."""
+    if isinstance(obj, float):
+        return None if math.isnan(obj) or math.isinf(obj) else obj
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def report(path: str | Path, thresholds: Thresholds | None = None) -> list[dict]:
+    """Analyse and diagnose every run under ``path``.
+
+    Returns a list of ``{"metrics": ..., "diagnosis": ...}``, one per run.
+    """
+    out = []
+    for run in find_runs(path):
+        m = analyze_run(run)
+        out.append({"metrics": m, "diagnosis": diagnose(m, thresholds)})
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Parser of ``verl-comm profile``."""
+    p = argparse.ArgumentParser(prog="verl-comm profile", description="profile reports")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="table + diagnosis of profiler output")
+    r.add_argument("dir")
+    r.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    r.add_argument(
+        "--png", default=None, help="chart path (one run) ; default with --save: DIR/report.png"
+    )
+    r.add_argument(
+        "--save",
+        action="store_true",
+        help="write report.txt, report.json, report.png in each run dir",
+    )
+    r.add_argument(
+        "--full", action="store_true", help="keep per-step data and memory timeline in --json"
+    )
+    th = Thresholds()
+    r.add_argument("--jitter", type=float, default=th.jitter_ratio, help="P99/P50 step-time limit")
+    r.add_argument("--host-share", type=float, default=th.host_share)
+    r.add_argument("--idle-share", type=float, default=th.idle_share)
+    r.add_argument("--comm-share", type=float, default=th.comm_share)
+    r.add_argument("--rollout-ratio", type=float, default=th.rollout_ratio)
+    r.add_argument("--rollout-p99", type=float, default=None, help="rollout P99 limit in seconds")
+    r.add_argument("--min-samples", type=int, default=th.min_samples)
+    return p
+
+
+def _slim(metrics: dict, full: bool) -> dict:
+    if full:
+        return metrics
+    return {k: v for k, v in metrics.items() if k not in ("memory_timeline",)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``verl-comm profile``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    th = Thresholds(
+        jitter_ratio=args.jitter,
+        host_share=args.host_share,
+        idle_share=args.idle_share,
+        comm_share=args.comm_share,
+        rollout_ratio=args.rollout_ratio,
+        rollout_p99_s=args.rollout_p99,
+        min_samples=args.min_samples,
+    )
+    try:
+        th.validate()
+        results = report(args.dir, th)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"verl-comm profile: {exc}", file=sys.stderr)
+        return 2
+    docs = []
+    for res in results:
+        m, d = res["metrics"], res["diagnosis"]
+        doc = _clean({"run": m["run"], "metrics": _slim(m, args.full), "diagnosis": d})
+        docs.append(doc)
+        text = text_report(m, d)
+        if not args.json:
+            print(text)
+        run_dir = Path(m["run"]["dir"])
+        png = args.png if (args.png and len(results) == 1) else None
+        if args.save:
+            (run_dir / "report.txt").write_text(text)
+            (run_dir / "report.json").write_text(json.dumps(doc, indent=1))
+            png = png or run_dir / "report.png"
+        if png:
+            written = plot_report(m, png)
+            if not args.json:
+                print(f"# wrote {written}")
+    if args.json:
+        print(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""``VerlProfiler``: named phase ranges, communication and memory records over training steps.
+
+Built on ``torch.profiler`` (CPU and, when present, CUDA activities). What it records per
+rank, in the ``time.perf_counter`` timebase (seconds):
+
+- steps: one window per ``step()`` call (from ``start()`` or the previous ``step()``);
+- phases: ``with prof.phase("gen"): ...`` ranges (also ``record_function("phase::gen")``
+  in the Chrome trace), with memory at entry/exit and the phase's peak; on CUDA the
+  device is synchronised at phase boundaries so that phase times include device work;
+- communication: the records of :attr:`VerlProfiler.recorder` (a
+  :class:`~verl_comm.telemetry.CommRecorder` the trainer hands to the comm hooks, the
+  reducer and the resharding executor) plus torch's own records from the profiler:
+  ``gloo:*`` work events on CPU and NCCL kernels on CUDA;
+- device kernels (CUDA) for exposed communication and idle gaps; rollout latencies;
+- the profiler's own bookkeeping time (reported as overhead).
+
+On ``stop()`` each rank writes ``OUTPUT_DIR/profile_rank{r}.json`` (read by
+``verl-comm profile report OUTPUT_DIR``) and ``OUTPUT_DIR/trace_rank{r}.json`` (Chrome trace,
+open in chrome://tracing or Perfetto); with ``record_memory`` on CUDA also
+``memory_snapshot_rank{r}.pickle`` (``torch.cuda.memory`` snapshot, open at
+pytorch.org/memory_viz).
+
+Disabled (``enabled=False`` or a step outside ``steps``), ``phase()`` returns one shared
+no-op context manager and ``step()`` only counts: no timing, no allocation, no sync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_comm.telemetry import CommRecorder
+
+FORMAT_VERSION = 1
+ANCHOR = "verl_profiler::anchor"
+
+
+class _NullPhase(AbstractContextManager):
+    """The shared no-op phase of a disabled profiler."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL_PHASE = _NullPhase()
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process in bytes (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _Phase(AbstractContextManager):
+    """An active phase range (see :meth:`VerlProfiler.phase`)."""
+
+    def __init__(self, prof: VerlProfiler, name: str) -> None:
+        self.prof, self.name = prof, name
+        self._rf: Any = None
+
+    def __enter__(self) -> _Phase:
+        p = self.prof
+        t_in = time.perf_counter()
+        if p._cuda_sync:
+            torch.cuda.synchronize()
+        self.depth = len(p._stack)
+        p._stack.append(self)
+        self.mem0 = p._mem_sample() if p.record_memory else None
+        if p.record_memory and p._cuda and self.depth == 0:
+            torch.cuda.reset_peak_memory_stats()
+        if p._torch_prof is not None:
+            self._rf = torch.profiler.record_function(f"phase::{self.name}")
+            self._rf.__enter__()
+        self.t0 = time.perf_counter()
+        p._overhead_s += self.t0 - t_in
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        p = self.prof
+        if p._cuda_sync:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if self._rf is not None:
+            self._rf.__exit__(None, None, None)
+        p._stack.pop()
+        rec: dict[str, Any] = {
+            "name": self.name,
+            "step": p._step,
+            "depth": self.depth,
+            "t0": self.t0,
+            "t1": t1,
+        }
+        if p.record_memory:
+            mem1 = p._mem_sample()
+            rec["mem_start"], rec["mem_end"] = self.mem0, mem1
+            peak = max(self.mem0["allocated"], mem1["allocated"])
+            if p._cuda and self.depth == 0:
+                peak = max(peak, torch.cuda.max_memory_allocated())
+            rec["mem_peak"] = peak
+            p._memory.append({"t": t1, **mem1})
+        p._phases.append(rec)
+        p._overhead_s += time.perf_counter() - t1
+
+
+class VerlProfiler:
+    """Profiler of a training loop made of named phases.
+
+    Args:
+        record_memory: sample allocated/reserved memory (CUDA; RSS on CPU) at phase
+            boundaries and keep each phase's peak; on CUDA also record the allocator
+            history and dump a ``torch.cuda.memory`` snapshot at ``stop()``.
+        record_communication: keep the records of :attr:`recorder` and torch's own
+            communication events.
+        output_dir: folder for ``profile_rank{r}.json`` and ``trace_rank{r}.json``.
+        enabled: False makes every method a no-op (zero overhead).
+        steps: step indices (0-based, counted by ``step()``) to profile; None = all.
+        recorder: a :class:`CommRecorder` to read; None creates one (enabled iff
+            ``record_communication``); pass :attr:`recorder` to hooks/reducer/reshard.
+        torch_profiler: run ``torch.profiler`` (Chrome trace, torch's comm and kernel
+            events); False keeps only phases, steps, memory and the recorder.
+        cuda_sync: synchronise CUDA at phase boundaries (exact phase times on GPU).
+        rank, world_size: default from ``torch.distributed`` when initialised, else 0/1.
+
+    Raises:
+        ValueError: on a negative step index.
+    """
+
+    def __init__(
+        self,
+        record_memory: bool = True,
+        record_communication: bool = True,
+        output_dir: str | os.PathLike = "./profile_logs",
+        *,
+        enabled: bool = True,
+        steps: Iterable[int] | None = None,
+        recorder: CommRecorder | None = None,
+        torch_profiler: bool = True,
+        cuda_sync: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.enabled = bool(enabled)
+        self.record_memory = bool(record_memory)
+        self.record_communication = bool(record_communication)
+        self.output_dir = Path(output_dir)
+        self.steps = None if steps is None else sorted({int(s) for s in steps})
+        if self.steps is not None and any(s < 0 for s in self.steps):
+            raise ValueError(f"profiler steps must be >= 0, got {self.steps}")
+        self.recorder = (
+            recorder
+            if recorder is not None
+            else CommRecorder(enabled=self.enabled and self.record_communication)
+        )
+        self.use_torch_profiler = torch_profiler
+        self._cuda = torch.cuda.is_available()
+        self._cuda_sync_opt = cuda_sync
+        self._rank, self._world = rank, world_size
+        self._step = 0
+        self._started = self._stopped = False
+        self._active = False
+        self._torch_prof: Any = None
+        self._stack: list[_Phase] = []
+        self._phases: list[dict] = []
+        self._steps: list[dict] = []
+        self._memory: list[dict] = []
+        self._rollouts: list[dict] = []
+        self._step_t0 = 0.0
+        self._overhead_s = 0.0
+        self._anchor_offset: float | None = None
+        self._torch_events: dict[str, list] = {"comm": [], "kernels": []}
+        self._trace_written = False
+        self._anchor_t = 0.0
+        self._rec_start = 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(
+        cls, cfg: Any, *, recorder: CommRecorder | None = None, rank: int | None = None
+    ) -> VerlProfiler:
+        """Build from a config section (mapping or object) with ``enable``, ``steps``,
+        ``output_dir`` and optionally ``record_memory``, ``record_communication``,
+        ``torch_profiler``, ``cuda_sync``. None gives a disabled profiler."""
+        if cfg is None:
+            return cls(enabled=False)
+
+        def get(key: str, default: Any) -> Any:
+            if isinstance(cfg, Mapping):
+                return cfg.get(key, default)
+            return getattr(cfg, key, default)
+
+        return cls(
+            record_memory=get("record_memory", True),
+            record_communication=get("record_communication", True),
+            output_dir=get("output_dir", "./profile_logs"),
+            enabled=bool(get("enable", get("enabled", False))),
+            steps=get("steps", None),
+            recorder=recorder,
+            torch_profiler=get("torch_profiler", True),
+            cuda_sync=get("cuda_sync", True),
+            rank=rank,
+        )
+
+    # ------------------------------------------------------------------ state
+    @property
+    def active(self) -> bool:
+        """True while the current step is being profiled."""
+        return self._active
+
+    @property
+    def step_index(self) -> int:
+        """Index of the current step (number of ``step()`` calls since ``start()``)."""
+        return self._step
+
+    @property
+    def _cuda_sync(self) -> bool:
+        return self._cuda and self._cuda_sync_opt
+
+    def _want(self, step: int) -> bool:
+        return self.enabled and (self.steps is None or step in self.steps)
+
+    def _mem_sample(self) -> dict[str, int]:
+        if self._cuda:
+            return {
+                "allocated": int(torch.cuda.memory_allocated()),
+                "reserved": int(torch.cuda.memory_reserved()),
+            }
+        rss = _rss_bytes()
+        return {"allocated": rss, "reserved": rss}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> VerlProfiler:
+        """Begin step 0 (profiling it if it is wanted). Idempotent."""
+        if not self.enabled or self._started:
+            return self
+        self._started = True
+        if self._rank is None:
+            dist = torch.distributed
+            ready = dist.is_available() and dist.is_initialized()
+            self._rank = dist.get_rank() if ready else 0
+            self._world = dist.get_world_size() if ready else 1
+        self._world = self._world or 1
+        self._rec_start = len(self.recorder.records)
+        if self._want(self._step):
+            self._activate()
+        self._step_t0 = time.perf_counter()  # after torch.profiler's start-up
+        return self
+
+    def _activate(self) -> None:
+        self._active = True
+        if self.use_torch_profiler and self._torch_prof is None and not self._stopped:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self._cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            if self._cuda and self.record_memory:
+                try:
+                    torch.cuda.memory._record_memory_history(max_entries=100_000)
+                except Exception:  # noqa: BLE001 - optional feature
+                    pass
+            self._torch_prof = torch.profiler.profile(activities=acts)
+            self._torch_prof.__enter__()
+            with torch.profiler.record_function(ANCHOR):
+                self._anchor_t = time.perf_counter()
+
+    def step(self) -> None:
+        """Close the current step and begin the next one."""
+        if not self.enabled or not self._started or self._stopped:
+            self._step += 1
+            return
+        t = time.perf_counter()
+        if self._active:
+            if self._cuda_sync:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+            self._steps.append({"step": self._step, "t0": self._step_t0, "t1": t})
+        self._step += 1
+        self._step_t0 = t
+        want = self._want(self._step)
+        if self._active and not want:
+            self._active = False
+            if self.steps is not None and self._step > self.steps[-1]:
+                self._stop_torch()
+        elif want and not self._active:
+            self._activate()
+            self._step_t0 = time.perf_counter()  # after torch.profiler's start-up
+        self._overhead_s += time.perf_counter() - t
+
+    def phase(self, name: str) -> AbstractContextManager:
+        """Context manager timing one named phase of the current step (no-op when inactive).
+
+        Phase names of the PPO trainer: gen, reshard, reward, old_log_prob, ref, values,
+        update_critic, update_actor (any name is accepted; nesting is allowed).
+        """
+        if not self._active:
+            return _NULL_PHASE
+        return _Phase(self, name)
+
+    def record_rollout(self, latency_s: float, batch_size: int | None = None) -> None:
+        """Record the latency (seconds) of one rollout batch; when none are recorded the
+        report uses the durations of the ``gen`` phases."""
+        if self._active:
+            self._rollouts.append(
+                {"step": self._step, "latency_s": float(latency_s), "batch_size": batch_size}
+            )
+
+    def _trace_path(self) -> Path:
+        return self.output_dir / f"trace_rank{self._rank}.json"
+
+    def _stop_torch(self) -> None:
+        """Stop torch.profiler, write the Chrome trace and read events back from it."""
+        if self._torch_prof is None or self._trace_written:
+            return
+        self._torch_prof.__exit__(None, None, None)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._torch_prof.export_chrome_trace(str(self._trace_path()))
+        self._trace_written = True
+        self._collect_torch_events(json.loads(self._trace_path().read_text()))
+
+    def _collect_torch_events(self, trace: dict) -> None:
+        """Comm events (gloo work, c10d calls, NCCL kernels) and device activity from a
+        Chrome trace, moved into the perf_counter timebase through the anchor range."""
+        events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+        anchor = next((e for e in events if e.get("name") == ANCHOR), None)
+        if anchor is None:
+            return
+        off = self._anchor_t - float(anchor["ts"]) * 1e-6
+        self._anchor_offset = off
+        for e in events:
+            name, cat = str(e.get("name", "")), e.get("cat", "")
+            t0 = float(e["ts"]) * 1e-6 + off
+            t1 = t0 + float(e["dur"]) * 1e-6
+            if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+                comm = cat == "kernel" and "nccl" in name.lower()
+                rec = {"name": name[:80], "t0": t0, "t1": t1, "comm": comm}
+                self._torch_events["kernels"].append(rec)
+                if comm:
+                    self._torch_events["comm"].append({**rec, "source": "kernel"})
+            elif name.startswith(("gloo:", "c10d::")):
+                src = "gloo" if name.startswith("gloo:") else "c10d"
+                self._torch_events["comm"].append({"name": name, "t0": t0, "t1": t1, "source": src})
+
+    def stop(self) -> Path | None:
+        """Close profiling, write ``profile_rank{r}.json`` and the Chrome trace.
+
+        Returns the path of the profile JSON (None when disabled or nothing was recorded).
+        """
+        if not self.enabled or not self._started or self._stopped:
+            return None
+        while self._stack:  # phases left open by an exception
+            self._stack[-1].__exit__(None, None, None)
+        t = time.perf_counter()
+        if self._active and any(p["step"] == self._step for p in self._phases):
+            self._steps.append({"step": self._step, "t0": self._step_t0, "t1": t})
+        self._active = False
+        self._stop_torch()
+        self._stopped = True
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if self._torch_prof is not None:
+            if self._cuda and self.record_memory:
+                try:
+                    torch.cuda.memory._dump_snapshot(
+                        str(self.output_dir / f"memory_snapshot_rank{self._rank}.pickle")
+                    )
+                    torch.cuda.memory._record_memory_history(enabled=None)
+                except Exception:  # noqa: BLE001 - optional feature
+                    pass
+        path = self.output_dir / f"profile_rank{self._rank}.json"
+        path.write_text(json.dumps(self.to_dict()))
+        return path
+
+    def export_chrome_trace(self, path: str | os.PathLike) -> Path:
+        """Write torch.profiler's Chrome trace (JSON, chrome://tracing / Perfetto).
+
+        Raises:
+            RuntimeError: when torch.profiler did not run (disabled, ``torch_profiler=False``
+                or not stopped yet).
+        """
+        if not self._trace_written:
+            raise RuntimeError(
+                "export_chrome_trace needs a stopped profiler that ran torch.profiler "
+                "(enabled=True, torch_profiler=True, profiled steps, then stop())"
+            )
+        p = Path(path)
+        if p.resolve() != self._trace_path().resolve():
+            p.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self._trace_path(), p)
+        return p
+
+    def to_dict(self) -> dict:
+        """Everything recorded, as written to ``profile_rank{r}.json``."""
+        comm = []
+        if self.record_communication:
+            comm = [r.to_dict() for r in self.recorder.records[self._rec_start :]]
+        return {
+            "format": FORMAT_VERSION,
+            "meta": {
+                "rank": self._rank,
+                "world_size": self._world,
+                "device": torch.cuda.get_device_name() if self._cuda else "cpu",
+                "cuda": self._cuda,
+                "torch": torch.__version__,
+                "steps_requested": self.steps,
+                "torch_profiler": self._anchor_offset is not None,
+                "trace": self._trace_path().name if self._trace_written else None,
+                "cuda_sync": self._cuda_sync,
+                "record_memory": self.record_memory,
+                "record_communication": self.record_communication,
+                "overhead_s": self._overhead_s,
+            },
+            "steps": self._steps,
+            "phases": self._phases,
+            "comm": comm,
+            "torch_comm": self._torch_events["comm"] if self.record_communication else [],
+            "kernels": self._torch_events["kernels"],
+            "memory": self._memory,
+            "rollouts": self._rollouts,
+        }
+
+    def __enter__(self) -> VerlProfiler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,247 @@
+"""The four classic symptoms, checked against a run's metrics, with evidence and remedy.
+
+1. step-time jitter: P99/P50 of the step time above ``jitter_ratio`` -> collective
+   blocking (the extra time of slow steps is communication) or allocator fragmentation
+   (reserved memory far above allocated, or growing) or a host phase that varies;
+2. accelerator idle while the host works: host phases (reward scoring, data loading,
+   tokenization) above ``host_share`` of the step, or on CUDA device idle gaps above
+   ``idle_share`` -> async reward path, packing, dynamic batching;
+3. communication above ``comm_share`` of the step or of backward -> gradient compression,
+   bucket size, topology;
+4. rollout latency P99 above ``rollout_p99_s`` seconds or ``rollout_ratio`` x P50 ->
+   resharding, KV cache reuse, tokenization threads.
+
+Symptoms 1 and 4 need at least ``min_samples`` steps/rollouts to be judged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from verl_comm.profiler.analysis import HOST_PHASES
+
+
+@dataclass
+class Thresholds:
+    """Limits of the diagnosis (fractions are of the step time unless named otherwise)."""
+
+    jitter_ratio: float = 1.5
+    host_share: float = 0.30
+    idle_share: float = 0.30
+    comm_share: float = 0.35
+    rollout_ratio: float = 1.5
+    rollout_p99_s: float | None = None
+    min_samples: int = 5
+
+    def validate(self) -> None:
+        """Raise ValueError naming a bad field."""
+        for k in ("host_share", "idle_share", "comm_share"):
+            if not 0 < getattr(self, k) < 1:
+                raise ValueError(f"threshold {k} must be in (0, 1), got {getattr(self, k)}")
+        for k in ("jitter_ratio", "rollout_ratio"):
+            if getattr(self, k) <= 1:
+                raise ValueError(f"threshold {k} must be > 1, got {getattr(self, k)}")
+        if self.min_samples < 2:
+            raise ValueError(f"min_samples must be >= 2, got {self.min_samples}")
+
+
+def _symptom(
+    num: int, name: str, found: bool | None, evidence: str, causes, remedy, values
+) -> dict:
+    return {
+        "id": num,
+        "name": name,
+        "found": found,
+        "evidence": evidence,
+        "likely_causes": list(causes) if found else [],
+        "remedy": list(remedy) if found else [],
+        "values": values,
+    }
+
+
+def _jitter(m: dict, th: Thresholds) -> dict:
+    st = m["step_time_max_over_ranks"]
+    name = "step time jitter"
+    if st["n"] < th.min_samples:
+        return _symptom(1, name, None, f"only {st['n']} steps (need {th.min_samples})", (), (), {})
+    ratio = st["p99_over_p50"]
+    steps = m["per_step"]
+    times = np.array([s["time_s"] for s in steps])
+    med = float(np.median(times))
+    slow = steps[int(np.argmax(times))]
+    excess = slow["time_s"] - med
+    names = {n for s in steps for n in s["phases"]}
+    deltas = {
+        n: slow["phases"].get(n, 0.0) - float(np.median([s["phases"].get(n, 0.0) for s in steps]))
+        for n in names
+    }
+    top_phase = max(deltas, key=deltas.get) if deltas else None
+    comm_excess = slow["comm_s"] - float(np.median([s["comm_s"] for s in steps]))
+    values = {
+        "p50_s": st["p50"],
+        "p99_s": st["p99"],
+        "p99_over_p50": ratio,
+        "slowest_step": slow["step"],
+        "slowest_excess_s": excess,
+        "excess_phase": top_phase,
+        "excess_phase_s": deltas.get(top_phase) if top_phase else None,
+        "excess_comm_s": comm_excess,
+    }
+    found = ratio is not None and ratio > th.jitter_ratio
+    causes = []
+    mem = m.get("memory_timeline") or []
+    frag = None
+    if mem:
+        alloc = max(x["allocated"] for x in mem)
+        res = max(x["reserved"] for x in mem)
+        frag = res / alloc if alloc > 0 else None
+        values["reserved_over_allocated"] = frag
+    if excess > 0 and comm_excess >= 0.5 * excess:
+        causes.append(
+            f"collective blocking: {comm_excess:.3f} s of the {excess:.3f} s extra in step "
+            f"{slow['step']} is communication (a rank waits for a slow peer or the network)"
+        )
+    if frag is not None and frag > 1.5 and m["run"].get("cuda"):
+        causes.append(f"allocator fragmentation: reserved/allocated = {frag:.2f}")
+    if top_phase and not causes:
+        causes.append(f"phase '{top_phase}' took {deltas[top_phase]:.3f} s more than its median")
+    evidence = (
+        f"step time P50 {st['p50']:.3f} s, P99 {st['p99']:.3f} s, P99/P50 {ratio:.2f} "
+        f"(limit {th.jitter_ratio}); slowest step {slow['step']} is {excess:.3f} s over the median"
+        + (f", mostly in '{top_phase}' (+{deltas[top_phase]:.3f} s)" if top_phase else "")
+    )
+    remedy = [
+        "run `verl-comm doctor` (NCCL env, timeouts, topology) and `verl-comm nccl lint`",
+        "read the memory timeline (memory_snapshot_rank*.pickle at pytorch.org/memory_viz); "
+        "try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        "balance per-rank work (sequence packing, dynamic batching) so no rank waits at the all-reduce",
+    ]
+    return _symptom(1, name, found, evidence, causes, remedy, values)
+
+
+def _host_bound(m: dict, th: Thresholds) -> dict:
+    host = m["host_share"] or 0.0
+    idle = m.get("gpu_idle")
+    host_phases = {
+        n: d["share"] for n, d in m["phases"].items() if d.get("share") and n in HOST_PHASES
+    }
+    values = {"host_phase_share": host, "host_phases": host_phases}
+    parts = [f"host-side phases {host:.0%} of the step (limit {th.host_share:.0%})"]
+    found = host > th.host_share
+    if idle is not None and idle["share"] is not None:
+        values["gpu_idle_share"] = idle["share"]
+        values["gpu_idle_by_phase_s"] = idle["by_phase_s"]
+        parts.append(f"GPU idle {idle['share']:.0%} of the step (limit {th.idle_share:.0%})")
+        found = found or idle["share"] > th.idle_share
+    if host_phases:
+        parts.append(", ".join(f"{n} {s:.0%}" for n, s in sorted(host_phases.items())))
+    causes = []
+    if host_phases.get("reward"):
+        causes.append("reward scoring on the host blocks the step")
+    causes += ["data loading / tokenization on the critical path", "padding imbalance across ranks"]
+    remedy = [
+        "score rewards asynchronously (reward path `async: true`, the exact-key cache) "
+        "so scoring overlaps generation",
+        "pack sequences / dynamic batching to cut padding",
+        "prefetch and tokenize in background threads",
+    ]
+    return _symptom(
+        2, "accelerator idle while the host works", found, "; ".join(parts), causes, remedy, values
+    )
+
+
+def _comm(m: dict, th: Thresholds) -> dict:
+    c = m["comm"]
+    step_share = c["share_of_step"] or 0.0
+    bwd_share = c["share_of_backward"]
+    worst_rank = max(
+        (r["comm_share_of_step"] or 0.0 for r in m.get("per_rank", [])), default=step_share
+    )
+    found = step_share > th.comm_share or (bwd_share is not None and bwd_share > th.comm_share)
+    tags = sorted(c["by_tag"].items(), key=lambda kv: -kv[1]["time_s"])[:3]
+    evidence = (
+        f"communication {c['per_step_s']:.3f} s/step = {step_share:.0%} of the step "
+        f"(max over ranks {worst_rank:.0%}); "
+        + (f"{bwd_share:.0%} of backward; " if bwd_share is not None else "")
+        + f"exposed {c['exposed_s'] / max(m['steps']['n'], 1):.3f} s/step; limit {th.comm_share:.0%}"
+        + (
+            "; top: "
+            + ", ".join(f"{k} {v['time_s']:.3f} s {v['bytes'] / 1e6:.1f} MB" for k, v in tags)
+            if tags
+            else ""
+        )
+    )
+    values = {
+        "share_of_step": step_share,
+        "share_of_backward": bwd_share,
+        "max_share_over_ranks": worst_rank,
+        "per_step_s": c["per_step_s"],
+        "exposed_s": c["exposed_s"],
+        "bytes_total": c["bytes_total"],
+    }
+    causes = [
+        "gradient all-reduce volume too large for the link",
+        "buckets too small or not overlapped",
+    ]
+    remedy = [
+        "gradient compression: `gradient_compression: int8` (0.26x fp32 bytes) or `policy: auto`",
+        "larger buckets (bucket_cap_mb) so communication overlaps backward",
+        "check the topology and NCCL preset: `verl-comm nccl lint`, `verl-comm nccl autotune`",
+    ]
+    return _symptom(3, "communication-bound", found, evidence, causes, remedy, values)
+
+
+def _rollout(m: dict, th: Thresholds) -> dict:
+    r = m["rollout"]
+    name = "slow rollout tail"
+    if r["n"] < th.min_samples:
+        return _symptom(
+            4, name, None, f"only {r['n']} rollout batches (need {th.min_samples})", (), (), {}
+        )
+    ratio = r["p99_over_p50"] or 0.0
+    found = ratio > th.rollout_ratio or (
+        th.rollout_p99_s is not None and r["p99"] > th.rollout_p99_s
+    )
+    limit = f"{th.rollout_ratio} x P50" + (f" or {th.rollout_p99_s} s" if th.rollout_p99_s else "")
+    evidence = (
+        f"rollout latency P50 {r['p50']:.3f} s, P99 {r['p99']:.3f} s (P99/P50 {ratio:.2f}; "
+        f"limit {limit}) over {r['n']} batches from {r['source']}"
+    )
+    causes = []
+    if not m["reshard"]["enabled"]:
+        causes.append("resharding not enabled: generation runs in the training layout")
+    causes += ["KV cache not reused across decoding steps", "single-threaded tokenization"]
+    remedy = [
+        "enable the hybrid engine's rollout resharding (rollout TP layout)",
+        "generate with the KV cache (and CUDA graphs for decoding)",
+        "tokenize/detokenize in a thread pool",
+    ]
+    return _symptom(
+        4,
+        name,
+        found,
+        evidence,
+        causes,
+        remedy,
+        {"p50_s": r["p50"], "p99_s": r["p99"], "ratio": ratio},
+    )
+
+
+def diagnose(metrics: dict, thresholds: Thresholds | None = None) -> dict:
+    """Check the four symptoms; returns ``{"thresholds", "symptoms", "found"}`` where
+    ``found`` lists the ids of the symptoms present (``found`` None = not enough data)."""
+    th = thresholds or Thresholds()
+    th.validate()
+    symptoms = [
+        _jitter(metrics, th),
+        _host_bound(metrics, th),
+        _comm(metrics, th),
+        _rollout(metrics, th),
+    ]
+    return {
+        "thresholds": asdict(th),
+        "symptoms": symptoms,
+        "found": [s["id"] for s in symptoms if s["found"]],
+    }

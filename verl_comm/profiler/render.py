@@ -1,0 +1,151 @@
+"""Text table and PNG chart of a profile report."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from verl_comm.profiler.analysis import BACKWARD_PHASES
+
+PHASE_ORDER = (
+    "gen",
+    "reshard",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+)
+
+
+def _s(x: float | None, fmt: str = ".3f", unit: str = " s") -> str:
+    return "n/a" if x is None else f"{x:{fmt}}{unit}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def _mb(x: int | float | None) -> str:
+    return "n/a" if x is None else f"{x / 2**20:.1f} MiB"
+
+
+def _ordered(names):
+    known = [n for n in PHASE_ORDER if n in names]
+    return known + sorted(n for n in names if n not in PHASE_ORDER)
+
+
+def text_report(metrics: dict, diagnosis: dict) -> str:
+    """Human-readable report of one run: table, then the diagnosis."""
+    run, st = metrics["run"], metrics["step_time_max_over_ranks"]
+    lines = [
+        f"=== profile report: {run['dir']}",
+        f"    ranks {run['ranks']} (world {run['world_size']}), device {run['device']}, "
+        f"torch {run['torch']}, {st['n']} profiled steps"
+        + (", CUDA synchronised at phase boundaries" if run.get("cuda_sync") else ""),
+        "",
+        f"step time (max over ranks)  mean {_s(st['mean'])}  P50 {_s(st['p50'])}  "
+        f"P99 {_s(st['p99'])}  P99/P50 {_s(st['p99_over_p50'], '.2f', '')}",
+        "",
+        f"{'phase':<18}{'s/step':>10}{'share':>9}{'calls':>7}{'peak mem':>14}{'reserved':>14}",
+    ]
+    phases = metrics["phases"]
+    for name in _ordered(phases):
+        d = phases[name]
+        indent = "  " if d["depth"] > 0 else ""
+        lines.append(
+            f"{indent + name:<18}{d['per_step_s']:>10.4f}{_pct(d['share']):>9}{d['count']:>7}"
+            f"{_mb(d.get('mem_peak')):>14}{_mb(d.get('mem_reserved_end')):>14}"
+        )
+    lines.append(f"{'(outside phases)':<18}{'':>10}{_pct(metrics['unattributed_share']):>9}")
+    c = metrics["comm"]
+    bwd = "/".join(n for n in BACKWARD_PHASES if n in phases) or "none"
+    lines += [
+        "",
+        f"communication ({c['source']})",
+        f"  {_s(c['per_step_s'])}/step = {_pct(c['share_of_step'])} of step; "
+        f"{_pct(c['share_of_backward'])} of backward ({bwd})",
+        f"  exposed {_s(c['exposed_s'] / max(st['n'], 1))}/step = {_pct(c['exposed_share_of_step'])} "
+        f"of step ({c['exposed_note']})",
+        f"  recorded bytes {c['bytes_total'] / 1e6:.1f} MB",
+    ]
+    for tag, d in sorted(c["by_tag"].items(), key=lambda kv: -kv[1]["time_s"])[:6]:
+        lines.append(
+            f"    {tag:<40} n={d['count']:<5} {d['bytes'] / 1e6:10.2f} MB {d['time_s']:8.3f} s"
+        )
+    if c["torch_ops"]:
+        lines.append(
+            "  torch records: " + ", ".join(f"{k} x{v}" for k, v in sorted(c["torch_ops"].items()))
+        )
+    for r in metrics.get("per_rank", []):
+        lines.append(
+            f"  rank {r['rank']}: step P50 {_s(r['step_p50_s'])}, comm {_pct(r['comm_share_of_step'])} "
+            f"of step, host phases {_pct(r['host_share'])}"
+        )
+    idle = metrics["gpu_idle"]
+    if idle is None:
+        lines.append("\nGPU idle gaps: n/a (no device kernels in the trace)")
+    else:
+        lines.append(f"\nGPU idle gaps: {_s(idle['total_s'])} = {_pct(idle['share'])} of step time")
+        for ph, t in sorted(idle["by_phase_s"].items(), key=lambda kv: -kv[1])[:5]:
+            lines.append(f"    in {ph:<20} {t:.4f} s")
+    r, rs = metrics["rollout"], metrics["reshard"]
+    lines += [
+        f"rollout latency ({r['source']}): n={r['n']} P50 {_s(r['p50'])} P99 {_s(r['p99'])}",
+        f"reshard: {'enabled' if rs['enabled'] else 'no reshard phase'}, {_s(rs['per_step_s'])}/step, "
+        f"{rs['bytes'] / 1e6:.1f} MB recorded",
+        f"profiler bookkeeping: {_s(metrics['overhead']['bookkeeping_s'], '.4f')} "
+        f"({_pct(metrics['overhead']['share_of_step'])} of profiled time)",
+        "",
+        "diagnosis:",
+    ]
+    for sym in diagnosis["symptoms"]:
+        mark = {True: "FOUND", False: "ok", None: "n/a"}[sym["found"]]
+        lines.append(f"  [{mark:^5}] {sym['id']}. {sym['name']}: {sym['evidence']}")
+        for cause in sym["likely_causes"]:
+            lines.append(f"            cause: {cause}")
+        for rem in sym["remedy"]:
+            lines.append(f"            remedy: {rem}")
+    if not diagnosis["found"]:
+        lines.append("  no bottleneck symptom above its threshold")
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(metrics: dict, path: str | os.PathLike) -> Path:
+    """Stacked bars of the top-level phases per step, with communication time per step
+    drawn as a black line over them (PNG, matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = metrics["per_step"]
+    names = _ordered({n for s in steps for n in s["phases"]})
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(steps) + 3), 4.5))
+    xs = list(range(len(steps)))
+    bottom = [0.0] * len(steps)
+    cmap = plt.get_cmap("tab10")
+    for i, n in enumerate(names):
+        vals = [s["phases"].get(n, 0.0) for s in steps]
+        ax.bar(xs, vals, bottom=bottom, label=n, color=cmap(i % 10))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    other = [max(0.0, s["time_s"] - b) for s, b in zip(steps, bottom)]
+    ax.bar(xs, other, bottom=bottom, label="(outside phases)", color="lightgrey")
+    ax.plot(xs, [s["comm_s"] for s in steps], "k.-", label="communication")
+    ax.set_xticks(xs, [str(s["step"]) for s in steps])
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    c = metrics["comm"]
+    ax.set_title(
+        f"{Path(metrics['run']['dir']).name}: step P50 {metrics['step_time_max_over_ranks']['p50']:.3f} s, "
+        f"comm {(c['share_of_step'] or 0):.0%} of step"
+    )
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
