@@ -108,15 +108,22 @@ class GradCommHandle:
         return reduced
 
     def state_dict(self) -> dict[str, Any]:
-        """The hook state's ``state_dict()`` (error-feedback residuals, Q, iteration)."""
+        """Hook state (error-feedback residuals, Q, iteration) and bucket layout;
+        empty without a reducer. Save it next to the DeepSpeed checkpoint."""
+        if self.reducer is None:
+            return {}
         state = self.hook_state
-        return state.state_dict() if hasattr(state, "state_dict") else {}
+        hook_sd = state.state_dict() if hasattr(state, "state_dict") else {}
+        return {"hook": hook_sd, "reducer": self.reducer.state_dict()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (no-op without a reducer)."""
+        """Restore what :meth:`state_dict` returned, before the first backward."""
+        if self.reducer is None or not sd:
+            return
+        self.reducer.load_state_dict(sd["reducer"])
         state = self.hook_state
-        if sd and hasattr(state, "load_state_dict"):
-            state.load_state_dict(sd)
+        if sd.get("hook") and hasattr(state, "load_state_dict"):
+            state.load_state_dict(sd["hook"])
 
     def detach(self) -> None:
         """Remove the reducer and give the gradient reduction back to DeepSpeed."""

@@ -248,7 +248,11 @@ class BucketedReducer:
         if self.trace:
             self._events.append(("launch", b))
         t0 = time.perf_counter()
-        fut = self.hook(self.state, bucket)
+        try:
+            fut = self.hook(self.state, bucket)
+        except BaseException:
+            self._reset_step()  # e.g. NonFiniteGradientError: the next step starts clean
+            raise
         if not (hasattr(fut, "done") and hasattr(fut, "value")):
             raise TypeError(
                 f"comm hook {getattr(self.hook, '__name__', self.hook)!r} returned "
@@ -362,6 +366,32 @@ class BucketedReducer:
             dist.broadcast(order, src=src, group=self.process_group)
         self._rebuilt = True
         self._build([int(i) for i in order.tolist()])
+
+    # ----------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The bucket layout (parameter order) and whether it was rebuilt.
+
+        Save it with the hook state: a fresh process that loads both uses the same
+        buckets as the saved run, so per-bucket error feedback resumes bit-identically.
+        """
+        order = [pid for ids in self.bucket_plan for pid in ids]
+        return {"order": order, "rebuilt": self._rebuilt, "step_count": self.step_count}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s layout (call before the first backward).
+
+        Raises:
+            ValueError: the saved order does not match this reducer's parameters.
+        """
+        order = [int(i) for i in sd["order"]]
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError(
+                f"saved reducer layout covers {len(order)} parameters, this reducer has "
+                f"{len(self.params)}; load the state saved for the same model"
+            )
+        self._build(order)
+        self._rebuilt = bool(sd["rebuilt"])
+        self.step_count = int(sd.get("step_count", 0))
 
     # ------------------------------------------------------------------ misc
     def remove(self) -> None:
