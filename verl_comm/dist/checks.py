@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from datetime import timedelta
 
@@ -79,6 +80,8 @@ class FingerprintChecker:
                 message names the ranks and this rank's collective.
         """
         tag = "-".join(map(str, group_ranks))
+        if len(tag) > 64:  # large groups: a digest keeps store keys short
+            tag = hashlib.sha1(tag.encode()).hexdigest()[:16]
         seq = self._seq.get(tag, 0)
         self._seq[tag] = seq + 1
         base = f"{_PREFIX}/{tag}/{seq}"

@@ -302,14 +302,18 @@ def init_distributed(
     check_socket_interfaces(backend)
     timeout = timedelta(seconds=timeout_s)
     where = f"MASTER_ADDR:MASTER_PORT={addr}:{port}"
-    if rank != 0:
+    # under torchrun the elastic agent already hosts the store on MASTER_PORT: every rank is
+    # a client, and keys are scoped per restart attempt so a restart never sees old joins.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    is_master = rank == 0 and not agent_store
+    if not is_master:
         _wait_for_listener(addr, port, timeout_s, rank, where)
     try:
-        store = dist.TCPStore(
-            addr, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False
+        raw = dist.TCPStore(
+            addr, port, world_size, is_master, timeout=timeout, wait_for_workers=False
         )
     except Exception as e:
-        if rank == 0:
+        if is_master:
             msg = f"rank 0 could not start the rendezvous store on {where}: {e}"
         else:
             msg = (
@@ -318,11 +322,13 @@ def init_distributed(
                 f"wrong or blocked. Backend said: {str(e).strip().splitlines()[0]}"
             )
         raise RendezvousError(msg) from e
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"verl_comm/attempt_{attempt}", raw)
     store.set(f"{_JOIN}/{rank}", "1")
     keys = [f"{_JOIN}/{r}" for r in range(world_size)]
     # rank 0 hosts the store: it waits 1 s longer so the others can still ask it who is
     # missing before it raises and the store goes away.
-    grace = 1.0 if rank == 0 else 0.0
+    grace = 1.0 if is_master else 0.0
     try:
         store.wait(keys, timedelta(seconds=timeout_s + grace))
     except Exception as e:
