@@ -168,3 +168,63 @@ def tp_generate(
         next_pos = next_pos + 1
     seq = torch.cat([ids, torch.stack(out, dim=1)], dim=1)[mine]
     return seq[:, pmax - own_p :].to(input_ids.device)
+
+
+class TPRolloutModel:
+    """What ``HybridEngine.rollout()`` yields: a TP model with the rollout ``generate``.
+
+    Args:
+        model: the TP model on this rank's rollout shards.
+    """
+
+    def __init__(self, model: TPCausalLM) -> None:
+        self.model: TPCausalLM | None = model
+
+    @property
+    def tp(self) -> TPGroup:
+        """The TP group the model runs on."""
+        return self._live().tp
+
+    def _live(self) -> TPCausalLM:
+        if self.model is None:
+            raise RuntimeError("the rollout model was released (used outside hybrid.rollout())")
+        return self.model
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        do_sample: bool = True,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """See :func:`tp_generate`; ``(B, P)`` LEFT-padded in, ``(B, P + R)`` int64 out.
+
+        Raises:
+            RuntimeError: the model was released.
+        """
+        return tp_generate(
+            self._live(),
+            input_ids,
+            attention_mask,
+            max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            generator=generator,
+        )
+
+    def release(self) -> None:
+        """Drop the weights (rollout shards); later calls raise."""
+        if self.model is not None:
+            self.model.w = {}
+            self.model.embed = self.model.head = None
+            self.model = None

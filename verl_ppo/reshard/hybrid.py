@@ -1,0 +1,236 @@
+"""Hybrid engine: the context manager that puts the actor into its rollout layout.
+
+Modelled on verl's ``sharding_manager/base.py``: entering reshards the training weights
+into the TP rollout model (and frees what generation does not need: gradients), leaving
+drops the rollout shards, KV caches and buffers. Memory is logged at each boundary.
+Rollout -> training moves nothing: the training shards are read, never written, and
+leaving checks that (tensor version counters unchanged), so ``reshard/back_bytes`` is 0.
+
+::
+
+    hybrid = HybridEngine.build(hf_config, cfg.actor.model_config.hybrid_engine)
+    with hybrid.rollout(actor_module) as rollout_model:
+        seqs = rollout_model.generate(input_ids, attention_mask, max_new_tokens=64, ...)
+    logger.log(hybrid.last_metrics)   # timing_s/reshard, reshard/bytes_per_rank, memory/...
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_comm.telemetry import CommRecorder
+from verl_ppo.reshard.config import HybridEngineConfig
+from verl_ppo.reshard.engine import ReshardEngine
+from verl_ppo.reshard.specs import slice_shard
+from verl_ppo.rollout.tp_generate import TPRolloutModel
+from verl_ppo.rollout.tp_model import TPCausalLM, TPGroup
+
+
+def _memory_gb(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {
+            "allocated_GB": torch.cuda.memory_allocated(device) / 1e9,
+            "reserved_GB": torch.cuda.memory_reserved(device) / 1e9,
+        }
+    try:  # resident set size of this process (Linux)
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return {"rss_GB": rss / 1e9}
+    except (OSError, ValueError):  # pragma: no cover - non-Linux
+        return {}
+
+
+def named_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Parameters by HF name; a DeepSpeed engine's ``module.`` prefix is dropped."""
+    out = {}
+    for name, p in module.named_parameters():
+        out[name[len("module.") :] if name.startswith("module.") else name] = p
+    return out
+
+
+class HybridEngine:
+    """Reshards a training module into a TP rollout model and back.
+
+    Build with :meth:`build` on every rank (collective: creates the TP groups).
+
+    Attributes:
+        engine: the :class:`ReshardEngine` (plan, placement, executor).
+        tp: this rank's rollout TP group.
+        last_metrics: metrics of the last ``rollout()`` (namespaced, units in the key).
+    """
+
+    def __init__(
+        self, model_config: Any, cfg: HybridEngineConfig, engine: ReshardEngine, tp: TPGroup
+    ) -> None:
+        self.model_config, self.cfg, self.engine, self.tp = model_config, cfg, engine, tp
+        self.last_metrics: dict[str, float] = {}
+
+    @classmethod
+    def build(
+        cls,
+        model_config: Any,
+        hybrid_cfg: HybridEngineConfig,
+        world_group: dist.ProcessGroup | None = None,
+        recorder: CommRecorder | None = None,
+    ) -> HybridEngine:
+        """Validate the layouts against the world and the model, plan, create TP groups.
+
+        Args:
+            model_config: HF config of the actor (Llama family or GPT-2).
+            hybrid_cfg: ``actor.model_config.hybrid_engine``.
+            world_group: group of all ranks (None = WORLD).
+            recorder: optional comm telemetry for the executor.
+
+        Raises:
+            ValueError: a layout that does not fit (raised before any communication).
+        """
+        world = dist.get_world_size(world_group) if dist.is_initialized() else 1
+        train, rollout = hybrid_cfg.layouts(world)
+        engine = ReshardEngine(
+            model_config,
+            train,
+            rollout,
+            group=world_group,
+            bucket_bytes=int(hybrid_cfg.bucket_mb * (1 << 20)),
+            method=hybrid_cfg.method,
+            transport=hybrid_cfg.transport,
+            recorder=recorder,
+        )
+        lay, rank = engine.rollout_layout, engine.rank
+
+        def glob(r: int) -> int:
+            return r if world_group is None else dist.get_global_rank(world_group, r)
+
+        if lay.tp == 1:
+            tp = TPGroup(None, 1, 0, [glob(rank)])
+        elif lay.tp == world:
+            tp = TPGroup(
+                world_group, lay.tp, lay.coords(rank)[2], [glob(r) for r in lay.tp_group(rank)]
+            )
+        else:
+            tp = None
+            for members in lay.all_tp_groups():  # collective: every rank creates every group
+                pg = dist.new_group(sorted(glob(r) for r in members))
+                if rank in members:
+                    tp = TPGroup(pg, lay.tp, members.index(rank), [glob(r) for r in members])
+        return cls(model_config, hybrid_cfg, engine, tp)
+
+    def train_shards(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What this rank holds in the training layout, read from ``module``.
+
+        ZeRO-3 parameters (``ds_tensor``) give their flat partition as is; full parameters
+        are used as is under pure DP, and sliced to the declared PP/TP training shard
+        otherwise (the trainer's DeepSpeed engine holds full weights; the declared layout
+        is then emulated).
+
+        Raises:
+            KeyError: a parameter of the plan is missing from ``module``.
+            ValueError: a ZeRO-3 partition whose size does not match the declared layout.
+        """
+        plan, rank = self.engine.plan, self.engine.rank
+        params = named_parameters(module)
+        out = {}
+        for p, spec in enumerate(plan.specs):
+            sh = plan.train_shards[rank][p]
+            if sh is None:
+                continue
+            if spec.name not in params:
+                raise KeyError(f"parameter {spec.name!r} not found in the training module")
+            prm = params[spec.name]
+            if (
+                hasattr(prm, "ds_tensor")
+                and prm.ds_tensor is not None
+                and prm.ds_numel != prm.numel()
+            ):
+                part = prm.ds_tensor.data.view(-1)
+                if plan.train.zero_stage != 3 or part.numel() != sh.numel:
+                    raise ValueError(
+                        f"{spec.name}: ZeRO-3 partition of {part.numel()} elements, but "
+                        f"training_sharding ({plan.train.describe()}) expects {sh.numel}; set "
+                        f"training_sharding.zero_stage: 3 and data_parallel_size: world size"
+                    )
+                out[spec.name] = part
+            elif (
+                tuple(prm.shape) == tuple(sh.local_shape)
+                and len(sh.pieces) == 1
+                and sh.pieces[0].gbox == tuple((0, s) for s in spec.shape)
+            ):
+                out[spec.name] = prm.data
+            else:
+                out[spec.name] = slice_shard(prm.data, sh)
+        return out
+
+    @contextmanager
+    def rollout(self, train_module: torch.nn.Module) -> Iterator[TPRolloutModel]:
+        """Enter: reshard ``train_module``'s weights into the TP rollout model. Leave: free it.
+
+        Yields:
+            a :class:`TPRolloutModel` (``generate(...)``) holding only this rank's TP shard.
+
+        Raises:
+            RuntimeError: on leaving, if training weights were modified inside the block
+                (the rollout -> training direction would then need traffic).
+        """
+        m: dict[str, float] = {}
+        params = list(named_parameters(train_module).values())
+        device = params[0].device
+        for k, v in _memory_gb(device).items():
+            m[f"memory/enter_before_{k}"] = v
+        if self.cfg.free_grads:
+            for prm in params:
+                prm.grad = None
+        versions = [prm._version for prm in params]
+        t0 = time.perf_counter()
+        shards = self.engine.reshard(self.train_shards(train_module))
+        s = self.engine.last_stats
+        model = TPRolloutModel(TPCausalLM(self.model_config, shards, self.tp))
+        m["timing_s/reshard"] = time.perf_counter() - t0
+        m["timing_s/reshard_wire_and_copy"] = s.time_s
+        m["reshard/bytes_per_rank"] = float(s.bytes_received)
+        m["reshard/bytes_sent_per_rank"] = float(s.bytes_sent)
+        m["reshard/lower_bound_bytes"] = float(s.lower_bound_bytes)
+        m["reshard/bytes_over_lower_bound"] = (
+            s.bytes_received / s.lower_bound_bytes
+            if s.lower_bound_bytes
+            else float(s.bytes_received == 0)
+        )
+        m["reshard/rollout_shard_bytes"] = float(s.rollout_bytes)
+        m["reshard/peak_extra_bytes"] = float(s.peak_extra_bytes)
+        m["reshard/buckets"] = float(s.buckets)
+        m["reshard/tensor_parallel_size"] = float(self.tp.size)
+        for k, v in _memory_gb(device).items():
+            m[f"memory/enter_after_{k}"] = v
+        failed = False
+        try:
+            yield model
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            t1 = time.perf_counter()
+            for k, v in _memory_gb(device).items():
+                m[f"memory/exit_before_{k}"] = v
+            model.release()
+            del model, shards
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            m["timing_s/reshard_exit"] = time.perf_counter() - t1
+            m["reshard/back_bytes"] = 0.0
+            for k, v in _memory_gb(device).items():
+                m[f"memory/exit_after_{k}"] = v
+            self.last_metrics = m
+            changed = [i for i, prm in enumerate(params) if prm._version != versions[i]]
+            if changed and not failed:
+                raise RuntimeError(
+                    f"{len(changed)} training parameters were modified inside hybrid.rollout(); "
+                    "the rollout model does not write back, so update weights outside the block"
+                )
