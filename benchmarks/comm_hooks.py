@@ -76,6 +76,32 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 BENCH = "comm_hooks"
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _importable_checkout() -> None:
+    """Run from a checkout that is not pip-installed (the GPU machine): put the repo on
+    sys.path and map ``kernels/`` to ``verl_comm.kernels`` as setup.py's package_dir does."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    try:
+        import verl_comm.kernels  # noqa: F401
+    except ModuleNotFoundError:
+        import importlib.util
+
+        import verl_comm
+
+        spec = importlib.util.spec_from_file_location(
+            "verl_comm.kernels",
+            REPO / "kernels" / "__init__.py",
+            submodule_search_locations=[str(REPO / "kernels")],
+        )
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["verl_comm.kernels"] = mod
+        spec.loader.exec_module(mod)
+        verl_comm.kernels = mod
+
+
+_importable_checkout()
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 TORCH_HOOKS = ("none", "torch_bf16", "torch_powersgd_r32", "torch_powersgd_r128")
 OURS = {  # name -> CompressionConfig fields
@@ -306,7 +332,7 @@ def worker(args: argparse.Namespace) -> None:
         **({"device_id": device} if cuda else {}),
     )
     transport = args.transport
-    rounds = args.rounds or (6 if transport == "socket" else 15)
+    rounds = args.rounds or (8 if transport == "socket" else 20)
     names = [m for m in METHODS if m in args.methods]
     if not cuda and "torch_bf16" in names:
         names.remove("torch_bf16")  # torch's bf16_compress_hook refuses to run without CUDA
