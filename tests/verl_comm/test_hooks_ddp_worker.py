@@ -585,7 +585,7 @@ def scenario_convergence(rank, world, tmp, steps, seeds, settings):
         teacher = TinyMLP()
         with torch.no_grad():
             for p in teacher.parameters():
-                p.copy_(torch.randn(p.shape, generator=tg) * 0.5)
+                p.copy_(torch.randn(p.shape, generator=tg) / p.shape[-1] ** 0.5)
         xe = torch.randn(512, 32, generator=tg)
         with torch.no_grad():
             ye = teacher(xe)
