@@ -265,6 +265,9 @@ def scenario_resume(rank: int, world: int, out: dict) -> None:
 
 def scenario_overlap(rank: int, world: int, out: dict) -> None:
     """Many small buckets: the first launch must come before the last gradient."""
+    from verl_comm.telemetry import CommRecorder
+
+    recorder = CommRecorder()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
     red = BucketedReducer(
@@ -274,12 +277,14 @@ def scenario_overlap(rank: int, world: int, out: dict) -> None:
         bucket_cap_mb=0.004,
         first_bucket_cap_mb=None,
         trace=True,
+        recorder=recorder,
     )
     for step in range(2):
         x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank + 10 * step))
         model(x).square().mean().backward()
         red.finalize()
         model.zero_grad(set_to_none=True)
+    out["records"] = [r.to_dict() for r in recorder.records]
     out["events"] = list(red.events)
     out["launched_in_backward"] = red.launched_in_backward
     out["num_buckets"] = len(red.buckets)
@@ -472,6 +477,14 @@ def test_reducer_overlaps_backward(results):
         assert out["num_buckets"] >= 3
         assert first_launch < last_ready, ev  # communication started during backward
         assert out["launched_in_backward"] == out["num_buckets"]
+        recs = out["records"]
+        assert len(recs) == 2 * out["num_buckets"]  # one per bucket and step
+        assert {r["op"] for r in recs} == {"bucket_reduce"} and all(
+            r["group_size"] == 2 for r in recs
+        )
+        last = recs[-out["num_buckets"] :]
+        assert sum(r["nbytes"] for r in last) == 6 * (32 * 32 + 32) * 4  # the whole model, fp32
+        assert all(r["extra"]["launched_in_backward"] == 1.0 for r in last)
         assert kinds[-1] == "finalize"
 
 
