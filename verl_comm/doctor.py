@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from datetime import datetime, timezone
 from importlib import metadata
 
 _VIA = re.compile(
@@ -272,7 +273,7 @@ def _fmt_text(report: dict) -> str:
                 f"    NCCL {tr['nccl_version']} transport: {tr['channels'] or 'not logged'}"
             )
     lines.append(f"doctor: {'all checks passed' if report['ok'] else 'FAILED'} "
-                 f"({report['wall_s']:.1f} s)")  # fmt: skip
+                 f"({report['wall_s']:.1f} s, {report['host']}, {report['date']})")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -290,6 +291,8 @@ def run_doctor(args: argparse.Namespace) -> dict:
         )
     report["ok"] = all(v["ok"] for v in report.values() if isinstance(v, dict))
     report["wall_s"] = time.perf_counter() - t0
+    report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    report["host"] = socket.gethostname()
     return report
 
 
