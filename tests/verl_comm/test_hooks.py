@@ -274,3 +274,38 @@ def test_tensor_bucket():
         b.set_buffer(torch.zeros(3))
     with pytest.raises(ValueError, match="sum of parameter sizes"):
         TensorBucket(torch.zeros(5), grads)
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_auto_policy_uses_link_model_and_logs(slow, caplog):
+    """Two thread ranks; the link model is given (socket-like or NVLink-like), the compute
+    cost is measured: a slow link compresses, a fast one falls back to the plain path."""
+    import threading
+
+    from verl_comm.compression import LinkModel, ThreadGroup
+
+    group = ThreadGroup(2, timeout_s=30)
+    beta = 1 / 1e6 if slow else 1e-15  # 1 MB/s vs effectively infinite bandwidth
+    states, outs = [], [None, None]
+
+    def rank(r):
+        st = CommHookState(config=cfg(policy="auto", **INT8), collective=group.collective(r))
+        st.link = LinkModel(alpha_s=1e-6, beta_s_per_byte=beta, world_size=2)
+        states.append(st)
+        for it in range(3):
+            outs[r] = int8_hook(st, make_bucket(it + 100 * r)).value().clone()
+
+    with caplog.at_level("INFO", logger="verl_comm.hooks"):
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert torch.equal(outs[0], outs[1])
+    for st in states:
+        d = st.buckets[0].decision
+        assert d is not None and d.compress is slow and d.compute_s > 0
+        assert st.last_stats[0].method == ("int8" if slow else "allreduce")
+    assert "policy auto: bucket 0" in caplog.text
+    states[0].recalibrate()
+    assert states[0].link is None and states[0].buckets[0].decision is None
