@@ -21,11 +21,14 @@ from ._common import TINY, check_block, check_codes_scales, check_float_input, r
 # (elements per program, warps) per kernel; 32 blocks of 128 per program reach ~4.2 TB/s
 # on an H200 (FACTS section 1).
 DEFAULT_LAUNCH: dict[str, tuple[int, int]] = {
-    "quantize": (4096, 8),
+    "quantize": (8192, 8),  # 32 elements per thread amortize the per-block divisions
+    "quantize_ef": (4096, 8),
     "dequant_sum_requant": (4096, 8),
     "dequantize": (4096, 8),
 }
 _BACKENDS = ("auto", "triton", "torch")
+_INT32_LIMIT = 2**31 - 2**20  # element offsets at or above this need 64-bit indexing
+_FORCE_INT64 = False  # tests flip this to run the 64-bit indexing path on small tensors
 
 
 def _use_triton(t: torch.Tensor, backend: str) -> bool:
@@ -152,7 +155,7 @@ def _quantize_launch(x, residual, codes, scales, block, stochastic, seed, offset
     nblocks = scales.numel()
     if nblocks == 0:
         return
-    bpp, warps = _launch("quantize", block, launch)
+    bpp, warps = _launch("quantize" if residual is None else "quantize_ef", block, launch)
     with _on_device(x) as extra:
         for block0, block_end, n_bound in split_launches(x.numel(), nblocks, block, bpp):
             _quantize_kernel[grid_1d(block_end - block0, bpp)](
@@ -170,6 +173,8 @@ def _quantize_launch(x, residual, codes, scales, block, stochastic, seed, offset
                 HAS_RESIDUAL=residual is not None,
                 STOCHASTIC=stochastic,
                 TINY=TINY,
+                ON_GPU=x.is_cuda,
+                USE_INT64=_FORCE_INT64 or codes.numel() >= _INT32_LIMIT,
                 num_warps=warps,
                 **extra,
             )
@@ -234,6 +239,8 @@ def dequantize(
                 BLOCK=block,
                 BLOCKS_PER_PROG=bpp,
                 APPLY_FACTOR=float(scale) != 1.0,
+                ON_GPU=codes.is_cuda,
+                USE_INT64=_FORCE_INT64 or max(numel, rows * c2.stride(0)) >= _INT32_LIMIT,
                 num_warps=warps,
                 **extra,
             )
@@ -293,6 +300,8 @@ def dequant_sum_requant(
                 BLOCKS_PER_PROG=bpp,
                 WRITE_SUM=return_sum,
                 TINY=TINY,
+                ON_GPU=codes.is_cuda,
+                USE_INT64=_FORCE_INT64 or w_count * codes.stride(0) >= _INT32_LIMIT,
                 num_warps=warps,
                 **extra,
             )

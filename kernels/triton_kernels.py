@@ -6,42 +6,61 @@ reach the memory roofline (one block per program stays at 0.3-1.3 TB/s on an H20
 
 Exactness: the arithmetic mirrors ``reference.py`` one IEEE fp32 operation at a time.
 Divisions use ``tl.div_rn`` (Triton's ``/`` is approximate on the GPU), launches pass
-``enable_fp_fusion=False`` on the GPU (a fused multiply-add would round differently), and
-round-half-to-even is ``(q + 1.5 * 2**23) - 1.5 * 2**23`` (exact for |q| < 2**22; libdevice
-``rint`` does not run in the interpreter).
+``enable_fp_fusion=False`` on the GPU (a fused multiply-add would round differently).
+Round-half-to-even is libdevice ``rint`` on the GPU (fused into the float-to-int conversion)
+and ``(q + 1.5 * 2**23) - 1.5 * 2**23`` in the interpreter (``rint`` does not run there);
+both are exact for |q| <= 128. ``ON_GPU`` selects the GPU forms (also hardware bf16 casts).
+
+Per-element work is kept small, since at ~4 TB/s a bf16 quantize has a budget of only ~30
+instructions per element on an H200: absmax and the NaN/Inf test share one integer max over
+the bit patterns of |v| (NaN and Inf patterns are above every finite one), nearest rounding
+needs no clamp (``|v * fl(127 / absmax)| <= 127 (1 + 2**-24)**2`` rounds to at most 127), and
+indices are 32-bit unless the launcher asks for 64-bit (``USE_INT64``, N_pad >= 2**31).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-# Globals read inside @triton.jit functions must be constexpr.
+# Globals read inside @triton.jit functions must be constexpr (and compare equal to
+# themselves: Triton re-checks them at every launch, so no NaN constant here).
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
-_FLT_MAX = tl.constexpr(3.4028234663852886e38)
-_NAN = tl.constexpr(float("nan"))
+_INF_BITS = tl.constexpr(0x7F800000)  # bit pattern of +Inf; larger patterns are NaN
+_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
-def _quantize_tile(v, seed, counters, TINY: tl.constexpr, STOCHASTIC: tl.constexpr):
+def _quantize_tile(
+    v,
+    seed,
+    counters,
+    TINY: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    ON_GPU: tl.constexpr,
+):
     """Quantize fp32 tile ``v (R, BLOCK)`` -> (codes fp32 (R, BLOCK), scales fp32 (R,))."""
-    a = tl.abs(v)
-    absmax = tl.max(a, axis=1)
-    n_bad = tl.max(tl.where(a <= _FLT_MAX, 0, 1), axis=1)  # NaN/Inf in the block
-    bad = n_bad > 0
-    ok = (absmax >= TINY) & (n_bad == 0)
+    abs_bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    max_bits = tl.max(abs_bits, axis=1)  # == bits of max |v|; >= _INF_BITS iff NaN/Inf
+    absmax = max_bits.to(tl.float32, bitcast=True)
+    finite = max_bits < _INF_BITS
+    ok = (absmax >= TINY) & finite
     safe = tl.where(ok, absmax, 1.0)
     scale = tl.where(ok, tl.div_rn(safe, 127.0), 0.0)
-    scale = tl.where(bad, _NAN, scale)
+    nan = tl.full(scale.shape, _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    scale = tl.where(finite, scale, nan)
     inv = tl.where(ok, tl.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe), 0.0)
     q = v * inv[:, None]
     if STOCHASTIC:
         u = tl.rand(seed, counters)
         c = tl.floor(q + u)
+        c = tl.minimum(tl.maximum(c, -127.0), 127.0)
+    elif ON_GPU:
+        c = libdevice.rint(q)
     else:
         c = (q + _RNE_MAGIC) - _RNE_MAGIC
-    c = tl.minimum(tl.maximum(c, -127.0), 127.0)
-    c = tl.where(ok[:, None], c, 0.0)
+    c = tl.where(ok[:, None], c, 0.0)  # NaN/Inf blocks: q may be NaN
     return c, scale
 
 
@@ -61,13 +80,17 @@ def _quantize_kernel(
     HAS_RESIDUAL: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     TINY: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    USE_INT64: tl.constexpr,
 ):
     """x (n,) float [+ residual (n,)] -> codes int8 (N_pad,), scales fp32 (N_pad / BLOCK,).
 
     This launch covers blocks [block0, block_end); elements at or past ``n`` read as zero.
     With HAS_RESIDUAL the residual is overwritten with ``v - codes * scale`` (first n only).
     """
-    pid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    if USE_INT64:
+        pid = pid.to(tl.int64)
     rows = block0 + pid * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
     cols = tl.arange(0, BLOCK)
     idx = rows[:, None] * BLOCK + cols[None, :]
@@ -75,13 +98,13 @@ def _quantize_kernel(
     v = tl.load(x_ptr + idx, mask=in_mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         v = v + tl.load(r_ptr + idx, mask=in_mask, other=0.0).to(tl.float32)
-    c, scale = _quantize_tile(v, seed, offset + idx, TINY, STOCHASTIC)
+    c, scale = _quantize_tile(v, seed, offset + idx, TINY, STOCHASTIC, ON_GPU)
     row_ok = rows < block_end
     tl.store(codes_ptr + idx, c.to(tl.int8), mask=row_ok[:, None])
     tl.store(scales_ptr + rows, scale, mask=row_ok)
     if HAS_RESIDUAL:
         r_new = v - c * scale[:, None]
-        tl.store(r_ptr + idx, _cast_out(r_new, r_ptr), mask=in_mask)
+        tl.store(r_ptr + idx, _cast_out(r_new, r_ptr, ON_GPU), mask=in_mask)
 
 
 @triton.jit
@@ -99,9 +122,13 @@ def _dequant_sum_requant_kernel(
     BLOCKS_PER_PROG: tl.constexpr,
     WRITE_SUM: tl.constexpr,
     TINY: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    USE_INT64: tl.constexpr,
 ):
     """codes (W, M) int8 + scales (W, M/BLOCK) fp32 -> fp32 sum over W -> requantized (M,)."""
-    pid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    if USE_INT64:
+        pid = pid.to(tl.int64)
     rows = pid * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
     cols = tl.arange(0, BLOCK)
     idx = rows[:, None] * BLOCK + cols[None, :]
@@ -113,7 +140,7 @@ def _dequant_sum_requant_kernel(
         acc = acc + c_w.to(tl.float32) * s_w[:, None]
         codes_ptr += stride_cw  # pointer increments: no 32-bit overflow of w * stride
         scales_ptr += stride_sw
-    c, scale = _quantize_tile(acc, 0, idx, TINY, False)
+    c, scale = _quantize_tile(acc, 0, idx, TINY, False, ON_GPU)
     tl.store(out_codes_ptr + idx, c.to(tl.int8), mask=row_ok[:, None])
     tl.store(out_scales_ptr + rows, scale, mask=row_ok)
     if WRITE_SUM:
@@ -135,12 +162,16 @@ def _dequantize_kernel(
     BLOCK: tl.constexpr,
     BLOCKS_PER_PROG: tl.constexpr,
     APPLY_FACTOR: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    USE_INT64: tl.constexpr,
 ):
     """codes (R, M) int8 (row stride stride_cr) * scales (R, M/BLOCK) -> out (numel,) float.
 
     This launch covers output blocks [block0, block_end); outputs at or past numel are skipped.
     """
-    pid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    if USE_INT64:
+        pid = pid.to(tl.int64)
     blk = block0 + pid * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
     cols = tl.arange(0, BLOCK)
     r = blk // blocks_per_row
@@ -156,23 +187,24 @@ def _dequantize_kernel(
     if APPLY_FACTOR:
         y = y * factor
     out_idx = blk[:, None] * BLOCK + cols[None, :]
-    tl.store(out_ptr + out_idx, _cast_out(y, out_ptr), mask=out_idx < numel)
+    tl.store(out_ptr + out_idx, _cast_out(y, out_ptr, ON_GPU), mask=out_idx < numel)
 
 
 @triton.jit
-def _cast_out(y, dst_ptr):
+def _cast_out(y, dst_ptr, ON_GPU: tl.constexpr):
     """Cast fp32 ``y`` to ``dst_ptr``'s element type, rounding to nearest even.
 
-    bf16 is rounded by hand: the interpreter truncates while the GPU rounds; this way both
-    give torch's ``.to(torch.bfloat16)`` (NaN becomes the canonical 0x7FC0).
+    On the GPU the hardware conversion rounds to nearest even. The interpreter truncates to
+    bf16, so there bf16 is rounded by hand (same result as torch's ``.to(torch.bfloat16)``;
+    NaN becomes 0x7FC0).
     """
-    if dst_ptr.dtype.element_ty == tl.bfloat16:
+    if ON_GPU or dst_ptr.dtype.element_ty != tl.bfloat16:
+        return y.to(dst_ptr.dtype.element_ty)
+    else:
         bits = y.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         half = tl.where(y != y, 0x7FC0, bits >> 16).to(tl.uint16)
         return half.to(tl.bfloat16, bitcast=True)
-    else:
-        return y.to(dst_ptr.dtype.element_ty)
 
 
 def grid_1d(nblocks: int, blocks_per_prog: int) -> tuple[int]:

@@ -236,3 +236,25 @@ def test_other_launch_configs_bit_exact(launch: tuple[int, int]) -> None:
     )
     with pytest.raises(ValueError, match="launch tile"):
         quantize(x, 64, launch=(96, 4), **T)
+
+
+def test_int64_indexing_path_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 64-bit index variant (used from 2**31 elements) on a small input."""
+    from verl_comm.kernels import ops
+
+    monkeypatch.setattr(ops, "_FORCE_INT64", True)
+    x = _data(5_003, torch.float32, seed=40)
+    r = torch.zeros_like(x)
+    r_ref = r.cpu().clone()
+    got = quantize_ef(x, r, 128, **T)
+    assert all(_same(a.cpu(), b) for a, b in zip(got, quantize_ef_ref(x.cpu(), r_ref, 128)))
+    sr = {"stochastic": True, "seed": 9, "offset": 2**32 + 5}
+    got = quantize(x, 128, **sr, **T)
+    assert all(_same(a.cpu(), b) for a, b in zip(got, quantize_ref(x.cpu(), 128, **sr)))
+    codes, scales = got
+    y = dequantize(codes, scales, 128, numel=5_003, scale=0.5, **T)
+    assert _same(y.cpu(), dequantize_ref(codes.cpu(), scales.cpu(), 128, numel=5_003, scale=0.5))
+    cw, sw = torch.stack([codes, codes]), torch.stack([scales, scales])
+    got = dequant_sum_requant(cw, sw, 128, return_sum=True, **T)
+    want = dequant_sum_requant_ref(cw.cpu(), sw.cpu(), 128, return_sum=True)
+    assert all(_same(a.cpu(), b) for a, b in zip(got, want))
