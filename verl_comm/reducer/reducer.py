@@ -87,7 +87,8 @@ class BucketedReducer:
             order they happened, to show the overlap with backward.
 
     Raises:
-        ValueError: no trainable parameter, or a bad cap / timeout.
+        ValueError: no trainable parameter, parameters on several devices, or a bad
+            cap / timeout.
     """
 
     def __init__(
@@ -118,6 +119,12 @@ class BucketedReducer:
                 self.params.append(p)
         if not self.params:
             raise ValueError("BucketedReducer got no parameter with requires_grad=True")
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"BucketedReducer needs all parameters on one device, got {sorted(map(str, devices))}; "
+                "build one reducer per device (or per model replica)"
+            )
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if first_bucket_cap_mb is not None and first_bucket_cap_mb <= 0:
@@ -339,15 +346,16 @@ class BucketedReducer:
             sleep = min(sleep * 2, 1e-3)
         fut.wait()  # re-raises the hook's exception, if any
 
-    def _exchange_used(self) -> torch.Tensor:
+    def _exchange_used(self) -> list[bool]:
+        """Which parameters got a gradient on at least one rank (one small all-reduce)."""
         used = torch.tensor(self._ready, dtype=torch.int32, device=self._device)
         dist.all_reduce(used, group=self.process_group)
-        return used
+        return [v > 0 for v in used.tolist()]
 
-    def _write_back(self, b: int, used: torch.Tensor | None) -> None:
+    def _write_back(self, b: int, used: list[bool] | None) -> None:
         bucket = self.buckets[b]
         for slot, pid in enumerate(self.bucket_plan[b]):
-            if used is not None and int(used[pid]) == 0:
+            if used is not None and not used[pid]:
                 continue  # no rank produced a gradient: keep grad None, no spurious update
             p = self.params[pid]
             view = bucket.gradients()[slot]
