@@ -146,8 +146,14 @@ def analyze_rank(data: dict) -> dict:
     else:
         exposed = comm_total
         exposed_note = "host-blocking collectives: all exposed"
+
+    def in_steps(r: dict) -> bool:  # records outside profiled steps are not counted
+        t = r.get("start_s", 0.0)
+        return t <= 0 or any(a <= t <= b for a, b in windows)
+
+    records = [r for r in data.get("comm", []) if in_steps(r)]
     by_tag: dict[str, dict] = {}
-    for r in data.get("comm", []):
+    for r in records:
         key = f"{r['op']} {r.get('tag', '')}".strip()
         d = by_tag.setdefault(key, {"count": 0, "bytes": 0, "time_s": 0.0})
         d["count"] += 1
@@ -187,9 +193,7 @@ def analyze_rank(data: dict) -> dict:
         rollouts = [p["t1"] - p["t0"] for p in data.get("phases", []) if p["name"] == ROLLOUT_PHASE]
         rollout_source = f"'{ROLLOUT_PHASE}' phase durations"
     reshard_bytes = sum(
-        int(r["nbytes"])
-        for r in data.get("comm", [])
-        if str(r.get("tag", "")).startswith("reshard")
+        int(r["nbytes"]) for r in records if str(r.get("tag", "")).startswith("reshard")
     )
     host = sum(phases[n]["total_s"] for n in HOST_PHASES if n in phases and phases[n]["depth"] == 0)
     meta = data.get("meta", {})

@@ -135,6 +135,8 @@ class VerlProfiler:
         torch_profiler: run ``torch.profiler`` (Chrome trace, torch's comm and kernel
             events); False keeps only phases, steps, memory and the recorder.
         cuda_sync: synchronise CUDA at phase boundaries (exact phase times on GPU).
+        sync_ranks: when distributed, align ranks with a one-element all_reduce when
+            profiling (re)starts, so per-rank start-up skew is not measured as a wait.
         rank, world_size: default from ``torch.distributed`` when initialised, else 0/1.
 
     Raises:
@@ -152,6 +154,7 @@ class VerlProfiler:
         recorder: CommRecorder | None = None,
         torch_profiler: bool = True,
         cuda_sync: bool = True,
+        sync_ranks: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -170,6 +173,7 @@ class VerlProfiler:
         self.use_torch_profiler = torch_profiler
         self._cuda = torch.cuda.is_available()
         self._cuda_sync_opt = cuda_sync
+        self.sync_ranks = sync_ranks
         self._rank, self._world = rank, world_size
         self._step = 0
         self._started = self._stopped = False
@@ -213,6 +217,7 @@ class VerlProfiler:
             recorder=recorder,
             torch_profiler=get("torch_profiler", True),
             cuda_sync=get("cuda_sync", True),
+            sync_ranks=get("sync_ranks", True),
             rank=rank,
         )
 
@@ -276,6 +281,24 @@ class VerlProfiler:
             self._torch_prof.__enter__()
             with torch.profiler.record_function(ANCHOR):
                 self._anchor_t = time.perf_counter()
+        self._align_ranks()
+
+    def _align_ranks(self) -> None:
+        """One-element all_reduce so that ranks enter the profiled step together: the
+        profiler's start-up time differs per rank and would otherwise show up as a
+        collective wait in the first step. Skipped when not distributed or ``sync_ranks``
+        is False."""
+        dist = torch.distributed
+        if not self.sync_ranks or not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_world_size() == 1:
+            return
+        dev = "cpu"
+        if dist.get_backend() == "nccl":
+            dev = f"cuda:{torch.cuda.current_device()}"
+        dist.all_reduce(torch.zeros(1, device=dev))
+        if self._cuda_sync:
+            torch.cuda.synchronize()
 
     def step(self) -> None:
         """Close the current step and begin the next one."""

@@ -1,0 +1,196 @@
+"""Single-process tests of verl_comm.profiler: intervals, lifecycle, gating, disabled mode,
+config, Chrome trace, report CLI and diagnosis on hand-made profiles."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from verl_comm.profiler import Thresholds, VerlProfiler, diagnose
+from verl_comm.profiler import intervals as iv
+from verl_comm.profiler.analysis import analyze_rank, analyze_run, find_runs
+from verl_comm.profiler.cli import main as profile_main
+from verl_comm.telemetry import CommRecorder
+
+
+def test_interval_algebra():
+    assert iv.union([(3, 4), (0, 1), (0.5, 2), (5, 5)]) == [(0, 2), (3, 4)]
+    assert iv.total([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)
+    assert iv.clip([(0, 2), (3, 4)], 1, 3.5) == [(1, 2), (3, 3.5)]
+    assert iv.subtract([(0, 10)], [(1, 2), (4, 6), (9, 12)]) == [(0, 1), (2, 4), (6, 9)]
+    assert iv.gaps([(1, 2), (1.5, 3)], 0, 4) == [(0, 1), (3, 4)]
+    assert iv.subtract([(0, 1)], []) == [(0, 1)]
+
+
+def test_disabled_profiler_is_a_no_op(tmp_path):
+    prof = VerlProfiler(enabled=False, output_dir=tmp_path / "p")
+    with prof:
+        a, b = prof.phase("gen"), prof.phase("reward")
+        assert a is b  # one shared null context: nothing allocated per call
+        with a:
+            pass
+        prof.step()
+        prof.record_rollout(1.0)
+    assert prof.stop() is None
+    assert not (tmp_path / "p").exists()
+    assert prof.step_index == 1 and not prof.active
+    assert not prof.recorder.enabled
+    with pytest.raises(RuntimeError, match="stopped profiler"):
+        prof.export_chrome_trace(tmp_path / "t.json")
+
+
+def test_from_config_mapping_object_and_none(tmp_path):
+    class Cfg:
+        enable = True
+        steps = [2, 1]
+        output_dir = str(tmp_path)
+
+    p = VerlProfiler.from_config(Cfg())
+    assert p.enabled and p.steps == [1, 2] and p.output_dir == tmp_path
+    q = VerlProfiler.from_config({"enable": False})
+    assert not q.enabled
+    assert not VerlProfiler.from_config(None).enabled
+    rec = CommRecorder()
+    assert VerlProfiler.from_config({"enable": True}, recorder=rec).recorder is rec
+    with pytest.raises(ValueError, match="steps"):
+        VerlProfiler(steps=[-1])
+
+
+def test_steps_gating_and_profile_contents(tmp_path):
+    prof = VerlProfiler(output_dir=tmp_path, steps=[1, 2], torch_profiler=False)
+    prof.start()
+    for _ in range(4):
+        with prof.phase("gen"):
+            time.sleep(0.01)
+            with prof.phase("reshard"):
+                with prof.recorder.timed("all_to_all", 1000, 2, "reshard/bucket0"):
+                    time.sleep(0.005)
+        with prof.phase("update_actor"):
+            with prof.recorder.timed("all_reduce", 4000, 2, "hook/int8"):
+                time.sleep(0.01)
+        prof.record_rollout(0.5, batch_size=8)
+        prof.step()
+    path = prof.stop()
+    data = json.loads(path.read_text())
+    assert [s["step"] for s in data["steps"]] == [1, 2]
+    assert {p["step"] for p in data["phases"]} == {1, 2}
+    assert [p["depth"] for p in data["phases"] if p["name"] == "reshard"] == [1, 1]
+    assert all(p["mem_peak"] > 0 for p in data["phases"])
+    assert len(data["rollouts"]) == 2
+    # the recorder is enabled all along (the hooks record into it); the profile keeps
+    # only the records made from start() on
+    assert len(data["comm"]) == 8
+    m = analyze_rank(data)
+    assert m["reshard"]["enabled"] and m["reshard"]["bytes"] == 2000  # only in-step records
+    assert m["phases"]["reshard"]["share"] is None  # nested: not part of the shares
+    assert m["phases"]["gen"]["share"] + m["phases"]["update_actor"]["share"] <= 1.0
+    assert m["rollout"]["source"] == "record_rollout" and m["rollout"]["p50"] == 0.5
+    assert m["comm"]["share_of_backward"] == pytest.approx(1.0, abs=0.15)
+    assert not (tmp_path / "trace_rank0.json").exists()
+
+
+def test_chrome_trace_is_valid_json_and_report_runs(tmp_path, capsys):
+    prof = VerlProfiler(output_dir=tmp_path / "run")
+    with prof:
+        for _ in range(3):
+            with prof.phase("gen"):
+                time.sleep(0.005)
+            with prof.phase("reward"):
+                time.sleep(0.002)
+            prof.step()
+    out = prof.export_chrome_trace(tmp_path / "copy" / "trace.json")
+    trace = json.loads(out.read_text())
+    assert isinstance(trace["traceEvents"], list)
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"phase::gen", "phase::reward"} <= names
+    assert json.loads((tmp_path / "run" / "trace_rank0.json").read_text()) == trace
+    assert profile_main(["report", str(tmp_path / "run"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["metrics"]["steps"]["n"] == 3
+    assert [s["id"] for s in doc["diagnosis"]["symptoms"]] == [1, 2, 3, 4]
+    assert doc["diagnosis"]["symptoms"][0]["found"] is None  # 3 steps < min_samples
+
+
+def test_report_cli_errors(tmp_path, capsys):
+    assert profile_main(["report", str(tmp_path / "missing")]) == 2
+    assert profile_main(["report", str(tmp_path)]) == 2
+    assert "profile_rank" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError):
+        find_runs(tmp_path)
+    (tmp_path / "profile_rank0.json").write_text("{bad")
+    assert profile_main(["report", str(tmp_path)]) == 2
+    assert profile_main(["report", str(tmp_path), "--comm-share", "2"]) == 2
+
+
+def _synthetic(step_times, comm_s, phase="update_actor", host=0.0, gen=None):
+    """A hand-made rank profile: each step = [host phase][phase with comm at its end]."""
+    steps, phases, comm = [], [], []
+    t = 100.0
+    for i, dur in enumerate(step_times):
+        steps.append({"step": i, "t0": t, "t1": t + dur})
+        cur = t
+        if gen is not None:
+            phases.append({"name": "gen", "step": i, "depth": 0, "t0": cur, "t1": cur + gen[i]})
+            cur += gen[i]
+        if host:
+            phases.append({"name": "reward", "step": i, "depth": 0, "t0": cur, "t1": cur + host})
+            cur += host
+        phases.append({"name": phase, "step": i, "depth": 0, "t0": cur, "t1": t + dur})
+        c = comm_s[i]
+        comm.append(
+            {
+                "op": "all_reduce",
+                "nbytes": 10**6,
+                "group_size": 2,
+                "duration_s": c,
+                "tag": "hook",
+                "start_s": t + dur - c,
+                "extra": {},
+            }
+        )
+        t += dur
+    meta = {"rank": 0, "world_size": 1, "device": "cpu", "cuda": False, "overhead_s": 0.0}
+    return {
+        "meta": meta,
+        "steps": steps,
+        "phases": phases,
+        "comm": comm,
+        "torch_comm": [],
+        "kernels": [],
+    }
+
+
+def _run(tmp_path, data):
+    (tmp_path / "profile_rank0.json").write_text(json.dumps(data))
+    m = analyze_run(tmp_path)
+    return m, diagnose(m)
+
+
+def test_diagnosis_thresholds_on_synthetic_profiles(tmp_path):
+    m, d = _run(tmp_path, _synthetic([1.0] * 8, [0.1] * 8))
+    assert d["found"] == []
+    assert m["comm"]["share_of_step"] == pytest.approx(0.1)
+
+    m, d = _run(tmp_path, _synthetic([1.0] * 8, [0.5] * 8))
+    assert d["found"] == [3]
+    assert d["symptoms"][2]["values"]["share_of_step"] == pytest.approx(0.5)
+
+    times = [1.0] * 7 + [2.0]
+    m, d = _run(tmp_path, _synthetic(times, [0.1] * 7 + [1.1]))
+    assert 1 in d["found"]
+    v = d["symptoms"][0]["values"]
+    assert v["slowest_excess_s"] == pytest.approx(1.0) and v["excess_comm_s"] == pytest.approx(1.0)
+    assert "collective blocking" in d["symptoms"][0]["likely_causes"][0]
+
+    m, d = _run(tmp_path, _synthetic([1.0] * 8, [0.05] * 8, host=0.6))
+    assert d["found"] == [2]
+
+    gen = [0.2] * 7 + [0.6]
+    m, d = _run(tmp_path, _synthetic([1.0] * 8, [0.05] * 8, gen=gen))
+    assert d["found"] == [4]
+    assert m["rollout"]["max"] == pytest.approx(0.6)
+
+    with pytest.raises(ValueError, match="jitter_ratio"):
+        diagnose(m, Thresholds(jitter_ratio=0.5))

@@ -1,0 +1,217 @@
+"""Synthetic PPO-like workloads with injected delays on 2 gloo ranks: the report must
+attribute each injected delay within 10% and name the right symptom; a clean workload
+must yield no diagnosis.
+
+The ranks run this file as a script (``python test_profiler_workloads.py --worker ...``) so
+that nothing needs pickling; each rank writes one profile per workload into a folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+STEPS = 10
+GEN_S = 0.03
+REWARD_SLEEP_S = 0.12
+JITTER_S = 0.15
+JITTER_STEPS = (3, 7)
+SLOW_GEN_S = 0.15
+SLOW_GEN_STEP = 5
+UPDATE_S = 0.02  # stands for forward/backward compute (a sleep: steady on a busy CPU)
+BIG_NUMEL = 16_000_000  # 64 MB fp32 all-reduce on gloo: ~50-150 ms on a busy CPU
+
+
+def _workload(name: str, out: Path, rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from verl_comm.profiler import VerlProfiler
+
+    prof = VerlProfiler(output_dir=out / name)
+    rec = prof.recorder
+    small = torch.ones(1024)
+    big = torch.ones(BIG_NUMEL) if name == "big_allreduce" else None
+    w = torch.randn(64, 64)
+    ar_times = []
+    dist.barrier()
+    with prof:
+        for step in range(STEPS):
+            with prof.phase("gen"):
+                slow = name == "slow_rollout" and step == SLOW_GEN_STEP
+                time.sleep(SLOW_GEN_S if slow else GEN_S)
+            with prof.phase("reward"):
+                time.sleep(REWARD_SLEEP_S if name == "reward_sleep" else 0.002)
+            with prof.phase("update_actor"):
+                (w @ w).sum()
+                time.sleep(UPDATE_S)
+                if name == "jitter" and step in JITTER_STEPS:
+                    time.sleep(JITTER_S)
+                t = big if big is not None else small
+                t0 = time.perf_counter()
+                with rec.timed("all_reduce", t.numel() * 4, world, "hook/none"):
+                    dist.all_reduce(t)
+                ar_times.append(time.perf_counter() - t0)
+            prof.step()
+    return {"all_reduce_s": ar_times}
+
+
+def _worker(rank: int, world: int, port: int, out: Path, names: list[str]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=dt.timedelta(seconds=60),
+    )
+    try:
+        measured = {n: _workload(n, out, rank, world) for n in names}
+        (out / f"measured_rank{rank}.json").write_text(json.dumps(measured))
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+WORKLOADS = ["clean", "reward_sleep", "big_allreduce", "jitter", "slow_rollout"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profiles")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                str(r),
+                "2",
+                str(port),
+                str(out),
+                ",".join(WORKLOADS),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=200)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return out
+
+
+def _report(path: Path) -> dict:
+    from verl_comm.profiler.cli import report
+
+    (res,) = report(path)
+    return res
+
+
+@pytest.mark.timeout(300)
+def test_clean_workload_has_no_diagnosis(profiled):
+    res = _report(profiled / "clean")
+    assert res["diagnosis"]["found"] == [], res["diagnosis"]
+    m = res["metrics"]
+    assert m["steps"]["n"] == STEPS and m["run"]["ranks"] == 2
+    assert m["phases"]["gen"]["per_step_s"] == pytest.approx(GEN_S, rel=0.1)
+
+
+@pytest.mark.timeout(300)
+def test_reward_sleep_is_attributed_and_named(profiled):
+    res = _report(profiled / "reward_sleep")
+    m = res["metrics"]
+    assert m["phases"]["reward"]["per_step_s"] == pytest.approx(REWARD_SLEEP_S, rel=0.1)
+    assert 2 in res["diagnosis"]["found"]
+    assert 3 not in res["diagnosis"]["found"]
+    sym = res["diagnosis"]["symptoms"][1]
+    assert "reward" in sym["evidence"] and any("async" in r for r in sym["remedy"])
+
+
+@pytest.mark.timeout(300)
+def test_oversized_allreduce_is_attributed_and_named(profiled):
+    res = _report(profiled / "big_allreduce")
+    measured = json.loads((profiled / "measured_rank0.json").read_text())["big_allreduce"]
+    injected = sum(measured["all_reduce_s"]) / STEPS
+    m = res["metrics"]
+    assert m["comm"]["per_step_s"] == pytest.approx(injected, rel=0.1)
+    assert m["comm"]["bytes_total"] == STEPS * BIG_NUMEL * 4
+    assert m["comm"]["torch_ops"]  # torch's own c10d/gloo records were read too
+    assert 3 in res["diagnosis"]["found"], res["diagnosis"]["symptoms"][2]["evidence"]
+    assert 2 not in res["diagnosis"]["found"]
+    assert any("int8" in r for r in res["diagnosis"]["symptoms"][2]["remedy"])
+
+
+@pytest.mark.timeout(300)
+def test_jittery_step_is_attributed_and_named(profiled):
+    res = _report(profiled / "jitter")
+    assert 1 in res["diagnosis"]["found"]
+    v = res["diagnosis"]["symptoms"][0]["values"]
+    assert v["slowest_step"] in JITTER_STEPS
+    assert v["excess_phase"] == "update_actor"
+    assert v["slowest_excess_s"] == pytest.approx(JITTER_S, rel=0.1)
+    assert v["excess_phase_s"] == pytest.approx(JITTER_S, rel=0.1)
+
+
+@pytest.mark.timeout(300)
+def test_slow_rollout_is_named(profiled):
+    res = _report(profiled / "slow_rollout")
+    assert 4 in res["diagnosis"]["found"]
+    r = res["metrics"]["rollout"]
+    assert r["max"] == pytest.approx(SLOW_GEN_S, rel=0.1)
+    assert r["p50"] == pytest.approx(GEN_S, rel=0.1)
+    assert any("resharding" in c for c in res["diagnosis"]["symptoms"][3]["likely_causes"])
+
+
+@pytest.mark.timeout(300)
+def test_report_cli_json_text_png_and_chrome_trace(profiled, capsys):
+    from verl_comm.profiler.cli import main
+
+    assert main(["report", str(profiled), "--json"]) == 0
+    docs = json.loads(capsys.readouterr().out)
+    assert sorted(Path(d["run"]["dir"]).name for d in docs) == sorted(WORKLOADS)
+    run = profiled / "big_allreduce"
+    assert main(["report", str(run), "--save"]) == 0
+    text = capsys.readouterr().out
+    assert "diagnosis:" in text and "[FOUND] 3. communication-bound" in text
+    assert (run / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((run / "report.json").read_text())["diagnosis"]["found"]
+    trace = json.loads((run / "trace_rank1.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"phase::gen", "phase::reward", "phase::update_actor"} <= names
+    assert all("ph" in e for e in trace["traceEvents"])
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--worker", nargs=5, required=True, metavar=("RANK", "WORLD", "PORT", "OUT", "NAMES")
+    )
+    a = ap.parse_args()
+    r, w, port, outdir, names = a.worker
+    _worker(int(r), int(w), int(port), Path(outdir), names.split(","))
