@@ -109,6 +109,8 @@ def test_chrome_trace_is_valid_json_and_report_runs(tmp_path, capsys):
     assert profile_main(["report", str(tmp_path / "run"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["metrics"]["steps"]["n"] == 3
+    assert doc["flat"]["timing_s/gen"] == pytest.approx(0.005, rel=0.5)
+    assert "comm/share_of_step" in doc["flat"]
     assert [s["id"] for s in doc["diagnosis"]["symptoms"]] == [1, 2, 3, 4]
     assert doc["diagnosis"]["symptoms"][0]["found"] is None  # 3 steps < min_samples
 

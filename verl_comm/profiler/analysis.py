@@ -278,3 +278,33 @@ def analyze_run(run_dir: str | Path) -> dict:
         "trace": meta.get("trace"),
     }
     return main
+
+
+def flat_metrics(m: dict) -> dict[str, float]:
+    """Namespaced scalar metrics of :func:`analyze_run`'s result, for loggers
+    (``timing_s/<phase>`` per step, ``comm/share_of_step``, ``memory/peak_bytes/<phase>``, ...).
+    Missing values are left out."""
+    st = m["step_time_max_over_ranks"]
+    out: dict[str, float | None] = {
+        "timing_s/step_mean": st["mean"],
+        "timing_s/step_p50": st["p50"],
+        "timing_s/step_p99": st["p99"],
+        "timing/step_p99_over_p50": st["p99_over_p50"],
+        "comm/time_s_per_step": m["comm"]["per_step_s"],
+        "comm/share_of_step": m["comm"]["share_of_step"],
+        "comm/share_of_backward": m["comm"]["share_of_backward"],
+        "comm/exposed_share_of_step": m["comm"]["exposed_share_of_step"],
+        "comm/bytes_total": m["comm"]["bytes_total"],
+        "perf/host_phase_share": m["host_share"],
+        "perf/gpu_idle_share": (m["gpu_idle"] or {}).get("share"),
+        "rollout/latency_s_p50": m["rollout"]["p50"],
+        "rollout/latency_s_p99": m["rollout"]["p99"],
+        "reshard/time_s_per_step": m["reshard"]["per_step_s"],
+        "reshard/bytes": m["reshard"]["bytes"],
+        "profile/overhead_share": m["overhead"]["share_of_step"],
+    }
+    for name, d in m["phases"].items():
+        out[f"timing_s/{name}"] = d["per_step_s"]
+        out[f"timing/share_{name}"] = d["share"]
+        out[f"memory/peak_bytes/{name}"] = d.get("mem_peak")
+    return {k: float(v) for k, v in out.items() if v is not None}

@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-from verl_comm.profiler.analysis import analyze_run, find_runs
+from verl_comm.profiler.analysis import analyze_run, find_runs, flat_metrics
 from verl_comm.profiler.diagnose import Thresholds, diagnose
 from verl_comm.profiler.render import plot_report, text_report
 
@@ -108,7 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     docs = []
     for res in results:
         m, d = res["metrics"], res["diagnosis"]
-        doc = _clean({"run": m["run"], "metrics": _slim(m, args.full), "diagnosis": d})
+        doc = _clean(
+            {
+                "run": m["run"],
+                "flat": flat_metrics(m),
+                "metrics": _slim(m, args.full),
+                "diagnosis": d,
+            }
+        )
         docs.append(doc)
         text = text_report(m, d)
         if not args.json:
