@@ -212,6 +212,14 @@ def _device(threads: int) -> str:
     return f"cpu: {name}, {os.cpu_count()} cores, {threads} torch thread(s)"
 
 
+def _loadavg() -> float | None:
+    """1-minute load average of the machine (other processes compete for the cores)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def _commit() -> str:
     try:
         sha = subprocess.run(
@@ -248,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     commit = _commit()  # the code that runs, read before it runs
+    load_before = _loadavg()
     batches = make_batches(args.batches, args.batch_size)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_server(args, Path(tmp) / "server.log")
@@ -296,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "gen_ms": args.gen_ms,
         "smoke": args.smoke,
         "numerics_ok": True,
+        "loadavg_1m_before_after": [load_before, _loadavg()],
     }
     r_mean, r_p99 = stats["remote"]
     records = []
@@ -319,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         f"model `{common['model']}` (text={args.text}, max_length={args.max_length}), "
         f"{args.batches} batches x {args.batch_size} samples, {args.rounds} rounds, "
         f"simulated generation {args.gen_ms:.0f} ms, commit {common['commit']}, "
-        f"{common['date']}. Numerics: all modes agree with local.",
+        f"{common['date']}. Numerics: all modes agree with local. 1-min load average "
+        f"before/after: {common['loadavg_1m_before_after']} on {os.cpu_count()} cores.",
         "",
         "| mode | mean (ms) | P99 (ms) | mean / remote | P99 / remote |",
         "|---|---:|---:|---:|---:|",
