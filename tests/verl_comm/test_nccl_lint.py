@@ -169,3 +169,10 @@ def test_registry_covers_nccl_230_names():
     for name in list(NEVER_READ) + list(REMOVED):
         assert name not in names
     assert REGISTRY["NCCL_BUFFSIZE"].default.startswith("4194304")
+    for spec in REGISTRY.values():  # data/env_registry.csv is consistent
+        assert spec.owner in ("nccl", "torch", "gloo", "launcher", "libfabric"), spec
+        assert spec.kind in ("int", "bool", "str", "ifname", "level", "enum"), spec
+        assert spec.section in ("production", "debug") and spec.doc, spec
+        assert (spec.kind == "enum") == bool(spec.choices), spec
+        if spec.min_value is not None and spec.max_value is not None:
+            assert spec.min_value <= spec.max_value, spec
