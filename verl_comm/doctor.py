@@ -140,6 +140,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _read_back(f) -> str:
+    f.flush()
+    f.seek(0)
+    text = f.read()
+    f.close()
+    return text
+
+
 def check_distributed(
     nproc: int, backend: str, timeout_s: float, startup_s: float, bw_bytes: int, iters: int
 ) -> dict:
@@ -157,27 +165,29 @@ def check_distributed(
         env["NCCL_DEBUG"] = "INFO"
         env.setdefault("NCCL_DEBUG_FILE", os.path.join(log_dir, "nccl.%h.%p.log"))
     port = _free_port()
-    procs = []
+    procs, files = [], []
     for r in range(nproc):
         cmd = [sys.executable, "-m", "verl_comm.dist.selftest", "--rank", str(r), "--world",
                str(nproc), "--port", str(port), "--backend", backend, "--timeout",
                str(timeout_s), "--iters", str(iters), "--bw-bytes", str(bw_bytes)]  # fmt: skip
         env_r = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc)}
-        procs.append(
-            subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_r
-            )  # fmt: skip
-        )
+        # output to files, not pipes: a chatty rank (NCCL_DEBUG=INFO on stdout) must never
+        # block on a full pipe while the parent waits on another rank
+        out_f = open(os.path.join(log_dir, f"rank{r}.out"), "w+")  # noqa: SIM115
+        err_f = open(os.path.join(log_dir, f"rank{r}.err"), "w+")  # noqa: SIM115
+        files.append((out_f, err_f))
+        procs.append(subprocess.Popen(cmd, stdout=out_f, stderr=err_f, text=True, env=env_r))
     deadline = time.monotonic() + startup_s + 4 * timeout_s
     ranks, logs = [], []
     for r, p in enumerate(procs):
         killed = False
         try:
-            stdout, stderr = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            stdout, stderr = p.communicate()
+            p.wait()
             killed = True
+        stdout, stderr = (_read_back(f) for f in files[r])
         steps = {}
         for ln in stdout.splitlines():
             if ln.startswith("DOCTOR "):
@@ -207,8 +217,9 @@ def check_distributed(
             k: r0["bandwidth"][k] for k in ("bytes", "s", "algbw_GBps", "busbw_GBps")
         }
     for name in sorted(os.listdir(log_dir)):
-        with open(os.path.join(log_dir, name), errors="replace") as f:
-            logs.append(f.read())
+        if name.startswith("nccl."):
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                logs.append(f.read())
     shutil.rmtree(log_dir, ignore_errors=True)
     if backend == "nccl":
         out["transport"] = parse_transports("\n".join(logs))
