@@ -1,7 +1,8 @@
 """Resharding: planned engine vs naive all-gather-then-slice, per layout pair.
 
 Methods, side by side in the same processes: ``engine`` (verl_ppo.reshard planned
-transfers, bucketed ``all_to_all_single`` with double buffering) and
+transfers, bucketed ``all_to_all_single`` with double buffering), ``engine_p2p`` (the same
+plan over batched ``isend/irecv``) and
 ``naive_allgather`` (all-gather every parameter within the training model-parallel
 group, then slice: DeepSpeed-Chat's hybrid engine / verl's FSDP path).
 
@@ -60,7 +61,12 @@ from verl_ppo.reshard.testing import (  # noqa: E402
 )
 
 BENCH = "reshard"
-METHODS = ("engine", "naive_allgather")
+METHODS = ("engine", "engine_p2p", "naive_allgather")
+_ENGINE_ARGS = {
+    "engine": {"method": "engine", "transport": "all_to_all"},
+    "engine_p2p": {"method": "engine", "transport": "p2p"},
+    "naive_allgather": {"method": "naive_allgather"},
+}
 
 
 def qwen25_05b() -> SimpleNamespace:
@@ -123,7 +129,9 @@ def bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
     full = None
     for train, roll in pairs_for(world):
         engines = {
-            m: ReshardEngine(cfg, train, roll, bucket_bytes=opts["bucket_mb"] << 20, method=m)
+            m: ReshardEngine(
+                cfg, train, roll, bucket_bytes=opts["bucket_mb"] << 20, **_ENGINE_ARGS[m]
+            )
             for m in METHODS
         }
         plan = engines["engine"].plan
@@ -232,10 +240,12 @@ def _commit(given: str | None) -> str:
         return "unknown"
 
 
-def write_results(recs: list[dict], out: Path, meta: dict) -> None:
-    """Write ``reshard.jsonl`` and ``reshard.md`` into ``out``."""
+def write_results(
+    recs: list[dict], out: Path, meta: dict, stem: str = BENCH, append: bool = False
+) -> None:
+    """Write ``<stem>.jsonl`` and ``<stem>.md`` into ``out`` (``append``: add to them)."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{BENCH}.jsonl", "w") as f:
+    with open(out / f"{stem}.jsonl", "a" if append else "w") as f:
         for r in recs:
             rec = {
                 "benchmark": BENCH,
@@ -268,14 +278,18 @@ def write_results(recs: list[dict], out: Path, meta: dict) -> None:
         "Targets: engine bytes_per_rank == lower_bound_bytes for every pair; engine time <= 0.4 x "
         "naive where the lower bound is below half the model, never slower otherwise.",
     ]
-    (out / f"{BENCH}.md").write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    md = out / f"{stem}.md"
+    if append and md.exists():
+        text = md.read_text() + "\n" + text
+    md.write_text(text)
 
 
 def check_targets(recs: list[dict]) -> list[str]:
     """Violations of the byte target (a hard failure: it means a planner/executor bug)."""
     bad = []
     for r in recs:
-        if r["method"] == "engine" and r["bytes_per_rank"] != r["lower_bound_bytes"]:
+        if r["method"].startswith("engine") and r["bytes_per_rank"] != r["lower_bound_bytes"]:
             bad.append(
                 f"{r['train_layout']}->{r['rollout_layout']}: {r['bytes_per_rank']} != {r['lower_bound_bytes']}"
             )
@@ -293,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--commit", default=None)
+    p.add_argument("--stem", default=BENCH, help="output file stem (e.g. reshard.cpu)")
+    p.add_argument("--append", action="store_true", help="append to existing output files")
     a = p.parse_args(argv)
     device = a.device or ("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     if device == "cuda" and torch.cuda.device_count() < a.world:
@@ -328,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(a.commit),
     }
-    write_results(recs, Path(a.out), meta)
-    print((Path(a.out) / f"{BENCH}.md").read_text())
+    write_results(recs, Path(a.out), meta, a.stem, a.append)
+    print((Path(a.out) / f"{a.stem}.md").read_text())
     print(f"total {time.time() - t0:.1f} s")
     bad = check_targets(recs)
     if bad:

@@ -29,7 +29,7 @@ def test_reshard_benchmark_smoke(tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "reshard.jsonl").read_text().splitlines()]
     pairs = {(r["train_layout"], r["rollout_layout"]) for r in recs}
     assert pairs == {("PP2", "TP2"), ("ZeRO3-DP2", "TP2"), ("DP2", "TP2")}
-    assert {r["method"] for r in recs} == {"engine", "naive_allgather"}
+    assert {r["method"] for r in recs} == {"engine", "engine_p2p", "naive_allgather"}
     for r in recs:
         assert r["benchmark"] == "reshard" and r["unit"] == "s" and r["numerics_ok"]
         assert r["time_s"] > 0 and r["device"].startswith("cpu") and r["commit"] and r["date"]
