@@ -34,10 +34,12 @@ Supported ZeRO stages and why:
 * **stage 2 and 3** are refused: they reduce-scatter each gradient inside their own
   autograd hooks as it is produced and free it, so there is no full gradient left for
   a hook to compress and no supported switch to skip their reduction.
-* DeepSpeed's ``BF16_Optimizer`` (bf16 at stage 0, or bf16 with an fp32
-  ``grad_accum_dtype``) is refused: it moves gradients into its own fp32 buffers inside
-  ``engine.backward()``, before the reducer's results could be written back. Use ZeRO
-  stage 1 with bf16 (default ``grad_accum_dtype``), or fp32 / torch autocast at stage 0.
+* Mixed precision: bf16 (or fp16) weights with the default ``grad_accum_dtype`` work at
+  both stages (stage 0 wraps the optimizer in DeepSpeed's FP16_Optimizer, which reads
+  ``param.grad`` in ``step()``). DeepSpeed's ``BF16_Optimizer`` (chosen for bf16 weights
+  with ``data_types.grad_accum_dtype: fp32`` at stage 1, and for the pipeline engine) is
+  refused: it moves gradients into its own fp32 buffers inside ``engine.backward()``,
+  before the reducer's results could be written back.
 
 ``gradient_compression: none`` leaves DeepSpeed's own reduction on (no reducer).
 """
@@ -157,11 +159,10 @@ def _check_supported(engine: Any, config: CompressionConfig) -> int:
     name = type(opt).__name__
     if name == "BF16_Optimizer":
         raise ValueError(
-            f"{what} cannot run under DeepSpeed's BF16_Optimizer (bf16 at ZeRO stage 0, or "
-            "bf16 with data_types.grad_accum_dtype fp32): it moves gradients into its own "
-            "fp32 buffers inside engine.backward(). Fix: zero_optimization.stage 1 with "
-            "bf16 (default grad_accum_dtype), fp32 weights at stage 0, or "
-            "gradient_compression: none."
+            f"{what} cannot run under DeepSpeed's BF16_Optimizer (bf16 weights with "
+            "data_types.grad_accum_dtype fp32 at ZeRO stage 1): it moves gradients into its "
+            "own fp32 buffers inside engine.backward(). Fix: drop data_types.grad_accum_dtype "
+            "(bf16 gradients, ZeRO stage 0 or 1), or gradient_compression: none."
         )
     if stage == 1:
         if getattr(opt, "overlap_comm", False):
