@@ -132,7 +132,33 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# wrote {written}")
     if args.json:
         print(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
+    elif len(results) > 1:
+        print(comparison_table(results))
     return 0
+
+
+def comparison_table(results: list[dict]) -> str:
+    """One line per run: step P50/P99, communication share and time, exposed share, found
+    symptoms (e.g. ``none/`` against ``int8/``)."""
+    lines = [
+        "=== runs compared",
+        f"{'run':<28}{'step P50 s':>11}{'P99 s':>9}{'comm s/step':>12}{'comm share':>11}"
+        f"{'exposed':>9}{'of bwd':>8}  symptoms",
+    ]
+    for res in results:
+        m, d = res["metrics"], res["diagnosis"]
+        st, c = m["step_time_max_over_ranks"], m["comm"]
+
+        def pct(x):
+            return "n/a" if x is None else f"{x:.0%}"
+
+        lines.append(
+            f"{Path(m['run']['dir']).name:<28}{st['p50']:>11.3f}{st['p99']:>9.3f}"
+            f"{c['per_step_s']:>12.3f}{pct(c['share_of_step']):>11}"
+            f"{pct(c['exposed_share_of_step']):>9}{pct(c['share_of_backward']):>8}  "
+            + (", ".join(str(i) for i in d["found"]) or "none")
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
