@@ -406,7 +406,8 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
     recs = []
     for n in names:
         c = checks[n]
-        info = {**base, "hook": n, "numerics_ok": c["ok"], "rel_error": c["rel_error"]}
+        info = {**base, "hook": n, "config": _config_of(n), "numerics_ok": c["ok"],
+                "rel_error": c["rel_error"], "rel_error_bound": c.get("bound")}  # fmt: skip
         if n in timed:
             i = timed.index(n)
             per_round_max = stacked[:, i, :].max(dim=0).values.tolist()
@@ -425,6 +426,19 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
         recs.append({**info, "metric": "ef_state_bytes", "rank": 0, "unit": "bytes",
                      "value": ef, "grad_bytes_bf16": grad_bf16})  # fmt: skip
     return recs
+
+
+def _config_of(name: str) -> dict:
+    """The settings a method ran with (for the records)."""
+    if name in OURS or name in REDUCER:
+        from verl_comm.compression.config import CompressionConfig
+
+        return CompressionConfig(**(OURS.get(name) or REDUCER[name])).model_dump()
+    if name.startswith("torch_powersgd_r"):
+        return {"matrix_approximation_rank": int(name.rsplit("r", 1)[1]),
+                "start_powerSGD_iter": 2, "min_compression_rate": 2,
+                "use_error_feedback": True, "warm_start": True}  # fmt: skip
+    return {}
 
 
 # --------------------------------------------------------------- outputs
