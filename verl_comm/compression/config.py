@@ -145,10 +145,12 @@ class CompressionConfig(BaseModel):
             )
         if 0 < rank < LOW_RANK_WARN_BELOW:
             warnings.warn(
-                f"compression_rank={rank} is below {LOW_RANK_WARN_BELOW}: low ranks capture "
-                "less of each gradient, so error feedback carries more of it across steps "
-                "(higher relative error per step, see benchmarks/results/convergence.md for "
-                "the measured loss gap); consider 64 or more",
+                f"compression_rank={rank} is below {LOW_RANK_WARN_BELOW}: a low rank sends "
+                "little of each step's gradient and leans on error feedback for the rest. "
+                "Measured (benchmarks/results/convergence.md, tiny MLP, 2 ranks, 300 steps): "
+                "per-step relative error 0.99 at ranks 4 and 8, final loss +2.1% over "
+                "uncompressed at rank 4, +0.6% at rank 8 (+8.4% at rank 4 without error "
+                "feedback); LLM practice uses 32-128. Consider 64 or more",
                 UserWarning,
                 stacklevel=2,
             )
