@@ -349,7 +349,11 @@ def worker(args: argparse.Namespace) -> None:
                 m.step(x)
         _sync(device)
         checks = _check(methods, world)
-        timed = [n for n in names if checks[n]["ok"]]
+        flags = torch.tensor([float(checks[n]["ok"]) for n in names], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank times the same methods
+        timed = [n for n, f in zip(names, flags.tolist()) if f > 0]
+        if not timed:
+            raise SystemExit("no method passed the numerics check; nothing to time")
         if rank == 0:
             for n in names:
                 c = checks[n]
