@@ -85,6 +85,7 @@ def worker_hybrid(rank, world):
             res[f"{kind}_released"] = False
         except RuntimeError:
             res[f"{kind}_released"] = True
+    res["zero3"] = _zero3_deepspeed(rank, world)
     try:  # modifying training weights inside the block is refused on leaving
         with hybrid.rollout(model):
             with torch.no_grad():
@@ -93,6 +94,43 @@ def worker_hybrid(rank, world):
     except RuntimeError as e:
         res["modify_error"] = str(e)
     return res
+
+
+def _zero3_deepspeed(rank, world):
+    """A real DeepSpeed ZeRO-3 engine: the hybrid engine reads its ds_tensor partitions."""
+    import copy
+    import os
+
+    import deepspeed
+
+    from verl_ppo.reshard.hybrid import HybridEngine
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    model = _model("qwen2", seed=3)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ds_cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
+    partitioned = all(p.numel() == 0 for p in engine.module.parameters())
+    cfg = HybridEngineConfig(
+        enable=True,
+        rollout_sharding={"tensor_parallel_size": 2},
+        training_sharding={"zero_stage": 3},
+    )
+    hybrid = HybridEngine.build(ref.config, cfg)
+    ids, mask = _prompts(20 + rank)
+    with hybrid.rollout(engine) as rm:
+        got = rm.generate(ids, mask, max_new_tokens=6, **GEN)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
+    m = hybrid.last_metrics
+    out = {
+        "partitioned": partitioned,
+        "equal": torch.equal(got, want[:, : got.shape[1]]),
+        "bytes": m["reshard/bytes_per_rank"],
+        "lower": m["reshard/lower_bound_bytes"],
+    }
+    del engine, model, opt
+    return out
 
 
 def test_hybrid_engine_two_processes():
@@ -112,3 +150,5 @@ def test_hybrid_engine_two_processes():
         assert r["qwen2_metrics"]["reshard/bytes_per_rank"] == 0  # DP2 -> TP2: all local
         assert r["gpt2_metrics"]["reshard/bytes_per_rank"] > 0  # PP2 -> TP2 (emulated)
         assert "modified inside hybrid.rollout()" in r["modify_error"]
+        z = r["zero3"]
+        assert z["partitioned"] and z["equal"] and z["bytes"] == z["lower"] > 0, z
