@@ -261,3 +261,48 @@ def test_markdown_and_jsonl_roundtrip(tmp_path):
     assert report.read_jsonl(p) == json.loads(json.dumps(recs))
     md = report.markdown(recs)
     assert md.count("\n") == 4 and "N/A" in md
+
+
+def test_failing_method_is_contained_and_records_kept(
+    single_rank_group, tmp_path, monkeypatch, capsys
+):
+    from verl_comm.bench.int8 import Int8AllReduce
+    from verl_comm.bench.runner import BenchConfig, run_rank
+
+    def broken(self, inp, out, group):
+        def call():
+            raise RuntimeError("kernel did not compile")
+
+        return call
+
+    monkeypatch.setattr(Int8AllReduce, "make", broken)
+    jsonl = tmp_path / "r.jsonl"
+    cfg = BenchConfig(
+        backend="gloo",
+        nproc=1,
+        minbytes=8,
+        maxbytes=64,
+        factor=8,
+        iters=2,
+        warmup=1,
+        methods=["int8", "nccl_fp32"],
+        jsonl=str(jsonl),
+    )
+    with pytest.raises(RuntimeError, match="all_reduce int8: RuntimeError: kernel did not compile"):
+        run_rank(cfg)
+    out = capsys.readouterr().out
+    assert "# FAILED: all_reduce int8" in out
+    recs = report.read_jsonl(jsonl)
+    assert {r["method"] for r in recs} == {"nccl_fp32"} and len(recs) == 4  # 2 sizes x 2 places
+    assert all(r["wrong"] == 0 for r in recs)
+
+
+def test_wrong_elements_fail_the_run(tmp_path, capsys):
+    import argparse
+
+    from verl_comm.bench.cli import _outputs
+
+    args = argparse.Namespace(jsonl=None, md=None, out=None, plot=None, compare=None, append=False)
+    assert _outputs([_rec()], args) == 0
+    assert _outputs([_rec(), _rec(wrong=5)], args) == 1
+    assert "5 wrong elements" in capsys.readouterr().err

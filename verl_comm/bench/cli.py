@@ -24,6 +24,7 @@ found a regression; 4 a rank failed.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -181,12 +182,11 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
 
 
 def _outputs(records: list[dict], args: argparse.Namespace) -> int:
-    jsonl, md = args.jsonl, args.md
+    jsonl, md = _jsonl_path(args), args.md
     if args.out:
-        jsonl = jsonl or str(Path(args.out) / f"{report.BENCHMARK}.jsonl")
         md = md or str(Path(args.out) / f"{report.BENCHMARK}.md")
     if jsonl:
-        print(f"# wrote {report.write_jsonl(records, jsonl, append=args.append)}")
+        print(f"# wrote {jsonl} (appended as measured)")
     if md:
         Path(md).parent.mkdir(parents=True, exist_ok=True)
         Path(md).write_text(report.markdown(records))
@@ -252,14 +252,28 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"verl-comm bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    cfg.jsonl = _jsonl_path(args)
+    if cfg.jsonl and not args.append and not (under_torchrun() and os.environ.get("RANK") != "0"):
+        Path(cfg.jsonl).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.jsonl).write_text("")  # rank 0 appends each record as it is measured
     try:
         records = launch(cfg)
     except RuntimeError as exc:
         print(f"verl-comm bench: {exc}", file=sys.stderr)
+        if cfg.jsonl:
+            print(f"# records measured before the failure are in {cfg.jsonl}", file=sys.stderr)
         return EXIT_FAILED
     if under_torchrun() and not records:
         return 0  # non-zero ranks: rank 0 writes the outputs
     return _outputs(records, args)
+
+
+def _jsonl_path(args: argparse.Namespace) -> str | None:
+    if args.jsonl:
+        return args.jsonl
+    if args.out:
+        return str(Path(args.out) / f"{report.BENCHMARK}.jsonl")
+    return None
 
 
 if __name__ == "__main__":

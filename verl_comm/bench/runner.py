@@ -76,6 +76,8 @@ class BenchConfig:
         timeout_s: ``init_process_group`` timeout (every collective is bounded by it).
         launch_timeout_s: the spawning parent gives up (and kills the ranks) after this.
         command: the command line, for the preamble.
+        jsonl: when set, rank 0 appends each record to this file as soon as it is
+            measured (a run cut short keeps what it measured); the caller truncates it.
     """
 
     backend: str = "gloo"
@@ -98,6 +100,7 @@ class BenchConfig:
     timeout_s: float = 300.0
     launch_timeout_s: float = 1800.0
     command: str = ""
+    jsonl: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field and the fix."""
@@ -252,6 +255,7 @@ def run_rank(cfg: BenchConfig) -> list[dict]:
         "world_size": world,
     }
     records: list[dict] = []
+    failures: list[str] = []
     sizes = size_sweep(cfg.minbytes, cfg.maxbytes, cfg.factor)
     esize = torch.empty((), dtype=dtype).element_size()
     for rep in range(cfg.repeat):
@@ -267,40 +271,89 @@ def run_rank(cfg: BenchConfig) -> list[dict]:
                     say(f"# repeat {rep + 1}/{cfg.repeat}")
                 say(report.table_header(op, method, transport))
                 table_recs: list[dict] = []
-                for nbytes in sizes:
-                    count = element_count(op, nbytes, esize, world)
-                    if count == 0:
-                        continue
-                    per_place: dict[str, dict | None] = {}
-                    for place in ("outplace", "inplace"):
-                        per_place[place] = None
-                        if place not in cfg.placements:
-                            continue
-                        rec = _one(cfg, op, method, place == "inplace", count, dtype, device, int8)
-                        if rec is None:
-                            continue
-                        rec = {**common, **rec, "repeat": rep, "requested_bytes": nbytes}
-                        per_place[place] = rec
-                        table_recs.append(rec)
-                    redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
-                    root = 0 if op == "broadcast" else -1
-                    say(
-                        report.table_row(
-                            count * esize,
-                            count,
-                            dtype_name(dtype),
-                            redop,
-                            root,
-                            per_place["outplace"],
-                            per_place["inplace"],
-                        )
+                try:
+                    _sweep_method(
+                        cfg,
+                        op,
+                        method,
+                        sizes,
+                        esize,
+                        dtype,
+                        device,
+                        int8,
+                        common,
+                        rep,
+                        table_recs,
+                        say,
                     )
+                except MethodFailed as exc:
+                    say(f"# FAILED: {op} {method}: {exc}; skipping the rest of this method")
+                    failures.append(f"{op} {method}: {exc}")
                 say(report.table_footer(table_recs))
                 records.extend(table_recs)
+                if lead and cfg.jsonl:
+                    report.write_jsonl(table_recs, cfg.jsonl, append=True)
     summary = report.stability_summary(records)
     if summary:
         say(report.stability_text(summary))
+        if lead and cfg.jsonl:
+            report.write_jsonl(summary, cfg.jsonl, append=True)
+    if failures:
+        raise RuntimeError(
+            "methods failed (records measured before are kept): " + "; ".join(failures)
+        )
     return records + summary if lead else []
+
+
+def _sweep_method(
+    cfg: BenchConfig,
+    op: str,
+    method: str,
+    sizes: list[int],
+    esize: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    int8: Int8AllReduce | None,
+    common: dict,
+    rep: int,
+    table_recs: list[dict],
+    say,
+) -> None:
+    """All sizes of one (collective, method): rows printed as measured, records appended
+    to ``table_recs``. Raises :class:`MethodFailed` (on every rank) when a case fails."""
+    world = dist.get_world_size()
+    for nbytes in sizes:
+        count = element_count(op, nbytes, esize, world)
+        if count == 0:
+            continue
+        per_place: dict[str, dict | None] = {}
+        for place in ("outplace", "inplace"):
+            per_place[place] = None
+            if place not in cfg.placements:
+                continue
+            rec = _one(cfg, op, method, place == "inplace", count, dtype, device, int8)
+            if rec is None:
+                continue
+            rec = {**common, **rec, "repeat": rep, "requested_bytes": nbytes}
+            per_place[place] = rec
+            table_recs.append(rec)
+        redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
+        root = 0 if op == "broadcast" else -1
+        say(
+            report.table_row(
+                count * esize,
+                count,
+                dtype_name(dtype),
+                redop,
+                root,
+                per_place["outplace"],
+                per_place["inplace"],
+            )
+        )
+
+
+class MethodFailed(RuntimeError):
+    """A case raised on some rank; every rank raises this so the sweep moves on together."""
 
 
 def _one(
@@ -334,11 +387,16 @@ def _one(
             case = build_case(op, method, inplace, count, dtype, device, None, int8)
         except Unsupported:
             return None
-        wrong = None
-        if cfg.check:
-            case.fill()
+        err = None
+        try:  # a failure in the first call (e.g. a kernel that does not compile) is
+            case.fill()  # contained: all ranks agree and skip the rest of the method
             case.run()
-            wrong = sum_across_ranks(case.count_wrong(), device)
+            wrong_here = case.count_wrong() if cfg.check else 0
+        except Exception as exc:  # noqa: BLE001 - reported below, on every rank
+            err = f"{type(exc).__name__}: {exc}"
+        if agree_max(1.0 if err else 0.0, device) > 0:
+            raise MethodFailed(err or "failed on another rank")
+        wrong = sum_across_ranks(wrong_here, device) if cfg.check else None
         run, reset = case.run, case.reset
     stats, n = _measure(run, reset, cfg, device, bare_tensor)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
