@@ -30,13 +30,16 @@ Supported ZeRO stages and why:
   engine itself calls at stage 2), which with no gradient queued for reduction only
   copies each rank's partition of the (already averaged) gradients. Needs
   ``overlap_comm: false`` (with it, ZeRO-1's own gradient hooks reduce during
-  backward) and no optimizer offload.
+  backward) and no optimizer offload. That method is DeepSpeed-internal, not a
+  documented API: checked with DeepSpeed 0.19.8, and tests/verl_ppo/test_grad_comm.py
+  pins the result to native DeepSpeed bit for bit.
 * **stage 2 and 3** are refused: they reduce-scatter each gradient inside their own
   autograd hooks as it is produced and free it, so there is no full gradient left for
   a hook to compress and no supported switch to skip their reduction.
-* Mixed precision: bf16 (or fp16) weights with the default ``grad_accum_dtype`` work at
-  both stages (stage 0 wraps the optimizer in DeepSpeed's FP16_Optimizer, which reads
-  ``param.grad`` in ``step()``). DeepSpeed's ``BF16_Optimizer`` (chosen for bf16 weights
+* Mixed precision: bf16 weights with the default ``grad_accum_dtype`` work at both
+  stages (stage 0 wraps the optimizer in DeepSpeed's FP16_Optimizer, which reads
+  ``param.grad`` in ``step()``); fp16 takes the same path but is untested (DeepSpeed
+  refuses fp16 on CPU). DeepSpeed's ``BF16_Optimizer`` (chosen for bf16 weights
   with ``data_types.grad_accum_dtype: fp32`` at stage 1, and for the pipeline engine) is
   refused: it moves gradients into its own fp32 buffers inside ``engine.backward()``,
   before the reducer's results could be written back.
