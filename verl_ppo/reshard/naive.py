@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from verl_comm.telemetry import CommRecord, CommRecorder
-from verl_ppo.reshard.executor import ReshardStats, _sync, _view, flat_storage
+from verl_ppo.reshard.executor import ReshardStats, _sync, _view, copy_many, flat_storage
 from verl_ppo.reshard.planner import ReshardPlan, _cells, _cuts, _find
 from verl_ppo.reshard.specs import box_numel, box_shape
 
@@ -107,6 +107,18 @@ class NaiveAllGather:
                 self.pg = pg
         self.contrib = contributions(plan, sorted(self.members))
 
+    def _slice(self, ps, fulls, result, dtype, device) -> None:
+        plan, r = self.plan, self.rank
+        dsts, views = [], []
+        for p in ps:
+            sh = plan.rollout_shards[r][p]
+            out = torch.empty(sh.numel, dtype=dtype, device=device)
+            for pc in sh.pieces:
+                dsts.append(_view(out, pc.gbox, pc.offset, pc.strides))
+                views.append(fulls[p][tuple(slice(a, b) for a, b in pc.gbox)])
+            result[plan.specs[p].name] = out.view(sh.local_shape)
+        copy_many(dsts, views)
+
     def _global(self, m: int) -> int:
         return m if self.group is None else dist.get_global_rank(self.group, m)
 
@@ -142,24 +154,31 @@ class NaiveAllGather:
             buckets.append(cur)
         result, received, sent, peak = {}, 0, 0, 0
         for k, ps in enumerate(buckets):
+            if g == 1:  # this rank holds full weights already: nothing to gather
+                fulls = {p: srcs[p].view(plan.specs[p].shape) for p in ps}
+                self._slice(ps, fulls, result, dtype, device)
+                continue
             sizes = [
                 sum(box_numel(c) for p in ps for c, _, _ in self.contrib[p][m]) for m in members
             ]
             chunk = max(sizes)
-            send = torch.zeros(chunk, dtype=dtype, device=device)
-            o = 0
+            send = torch.empty(chunk, dtype=dtype, device=device)
+            o, dsts, views = 0, [], []
             for p in ps:
                 for cell, off, strides in self.contrib[p][r]:
                     k_ = box_numel(cell)
-                    send[o : o + k_].view(box_shape(cell)).copy_(_view(srcs[p], cell, off, strides))
+                    dsts.append(send[o : o + k_].view(box_shape(cell)))
+                    views.append(_view(srcs[p], cell, off, strides))
                     o += k_
+            copy_many(dsts, views)
             t_issue = time.perf_counter()
-            if g > 1 and len(set(sizes)) == 1:  # equal contributions (ZeRO-3): one all-gather
+            mine = sizes[members.index(r)]
+            if len(set(sizes)) == 1:  # equal contributions (ZeRO-3): one all-gather
                 gathered = torch.empty(chunk * g, dtype=dtype, device=device)
                 dist.all_gather_into_tensor(gathered, send, group=self.pg)
                 offs = [i * chunk for i in range(g)]
                 op = "all_gather"
-            elif g > 1:  # uneven (PP stages): one broadcast per contributing member, exact sizes
+            else:  # uneven (PP stages): one broadcast per contributing member, exact sizes
                 gathered = torch.empty(sum(sizes), dtype=dtype, device=device)
                 offs = [sum(sizes[:i]) for i in range(g)]
                 for i, m in enumerate(members):
@@ -169,45 +188,35 @@ class NaiveAllGather:
                     if sizes[i]:
                         dist.broadcast(seg, src=self._global(m), group=self.pg)
                 op = "broadcast"
-            else:
-                gathered, offs, op = send, [0], ""
-            if g > 1:
-                mine = sizes[members.index(r)]
-                received += (sum(sizes) - mine if op == "broadcast" else chunk * (g - 1)) * itemsize
-                sent += (mine if op == "broadcast" else chunk) * itemsize
-                if self.recorder is not None:
-                    self.recorder.record(
-                        CommRecord(
-                            op,
-                            mine * itemsize,
-                            g,
-                            time.perf_counter() - t_issue,
-                            f"reshard_naive/bucket{k}",
-                            t_issue,
-                        )
+            received += (sum(sizes) - mine) * itemsize
+            sent += mine * itemsize
+            if self.recorder is not None:
+                self.recorder.record(
+                    CommRecord(
+                        op,
+                        mine * itemsize,
+                        g,
+                        time.perf_counter() - t_issue,
+                        f"reshard_naive/bucket{k}",
+                        t_issue,
                     )
+                )
             fulls = {p: torch.empty(plan.specs[p].shape, dtype=dtype, device=device) for p in ps}
+            dsts, views = [], []
             for i, m in enumerate(members):
                 o = offs[i]
                 for p in ps:
                     for cell, _, _ in self.contrib[p][m]:
                         k_ = box_numel(cell)
-                        fulls[p][tuple(slice(a, b) for a, b in cell)].copy_(
-                            gathered[o : o + k_].view(box_shape(cell))
-                        )
+                        dsts.append(fulls[p][tuple(slice(a, b) for a, b in cell)])
+                        views.append(gathered[o : o + k_].view(box_shape(cell)))
                         o += k_
-            bucket_bytes = (send.numel() + (gathered.numel() if g > 1 else 0)) * itemsize
+            copy_many(dsts, views)
+            bucket_bytes = (send.numel() + gathered.numel()) * itemsize
             bucket_bytes += sum(f.numel() for f in fulls.values()) * itemsize
             peak = max(peak, bucket_bytes)
-            for p in ps:
-                sh = plan.rollout_shards[r][p]
-                out = torch.empty(sh.numel, dtype=dtype, device=device)
-                for pc in sh.pieces:
-                    _view(out, pc.gbox, pc.offset, pc.strides).copy_(
-                        fulls[p][tuple(slice(a, b) for a, b in pc.gbox)]
-                    )
-                result[plan.specs[p].name] = out.view(sh.local_shape)
-            del fulls, gathered, send
+            self._slice(ps, fulls, result, dtype, device)
+            del fulls, gathered, send, dsts, views
         _sync(device)
         roll_bytes = plan.rollout_elems[r] * itemsize
         stats = ReshardStats(
