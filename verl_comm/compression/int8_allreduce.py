@@ -142,20 +142,24 @@ def cast_allreduce(
 
     Args:
         x: ``(N,)`` float tensor. coll: the collective. wire_dtype: dtype on the wire.
-        average: divide by W. out: optional ``(N,)`` destination (may alias ``x``).
+        average: divide by W. out: optional ``(N,)`` destination (may alias ``x``; with
+            ``out`` aliasing ``x`` and ``wire_dtype == x.dtype`` no copy is made).
 
     Returns:
         :class:`ReduceResult` with ``out`` in ``out``'s dtype (default ``x.dtype``).
     """
     w = coll.world_size
-    buf = x.reshape(-1).to(wire_dtype, copy=True)
+    flat = x.reshape(-1)
+    in_place = wire_dtype == x.dtype and out is not None and out.data_ptr() == flat.data_ptr()
+    buf = flat if in_place else flat.to(wire_dtype, copy=True)
     if average and w > 1:
         buf.div_(w)
     sent0 = coll.bytes_sent
     if buf.numel():
         coll.all_reduce(buf)
     if out is None:
-        out = torch.empty_like(x.reshape(-1))
-    out.copy_(buf)
+        out = torch.empty_like(flat)
+    if not in_place:
+        out.copy_(buf)
     finite = torch.isfinite(buf).all() if buf.numel() else torch.ones((), dtype=torch.bool)
     return ReduceResult(out, coll.bytes_sent - sent0, finite.to(x.device))
