@@ -18,6 +18,8 @@ def make_reducer(
     config: CompressionConfig,
     process_group: dist.ProcessGroup | None = None,
     recorder: CommRecorder | None = None,
+    *,
+    collect_stats: bool = True,
     **kwargs: Any,
 ) -> BucketedReducer:
     """A reducer whose buckets go through the hook ``config`` selects.
@@ -29,6 +31,8 @@ def make_reducer(
         process_group: group to average over (None = WORLD), used by hook and reducer.
         recorder: optional telemetry sink shared by the hook (wire bytes per bucket)
             and the reducer (one ``bucket_reduce`` record per bucket).
+        collect_stats: let the hook state compute relative error and residual norms
+            per bucket (extra local reductions; bytes and time are always tracked).
         **kwargs: further :class:`BucketedReducer` arguments (``grad_attr``,
             ``sync_predicate``, ``timeout_s``, ``first_bucket_cap_mb``, ...).
 
@@ -41,7 +45,7 @@ def make_reducer(
     """
     from verl_comm.hooks import make_hook  # the hooks import torch.distributed helpers
 
-    hook, state = make_hook(config, process_group, recorder)
+    hook, state = make_hook(config, process_group, recorder, collect_stats=collect_stats)
     return BucketedReducer(
         params,
         hook,
