@@ -49,6 +49,7 @@ def test_from_config_mapping_object_and_none(tmp_path):
 
     p = VerlProfiler.from_config(Cfg())
     assert p.enabled and p.steps == [1, 2] and p.output_dir == tmp_path
+    assert VerlProfiler.from_config({"enable": True, "steps": []}).steps is None  # [] = all
     q = VerlProfiler.from_config({"enable": False})
     assert not q.enabled
     assert not VerlProfiler.from_config(None).enabled

@@ -129,7 +129,8 @@ class VerlProfiler:
             communication events.
         output_dir: folder for ``profile_rank{r}.json`` and ``trace_rank{r}.json``.
         enabled: False makes every method a no-op (zero overhead).
-        steps: step indices (0-based, counted by ``step()``) to profile; None = all.
+        steps: step indices (0-based, counted by ``step()``) to profile; None or empty =
+            every step.
         recorder: a :class:`CommRecorder` to read; None creates one (enabled iff
             ``record_communication``); pass :attr:`recorder` to hooks/reducer/reshard.
         torch_profiler: run ``torch.profiler`` (Chrome trace, torch's comm and kernel
@@ -162,7 +163,7 @@ class VerlProfiler:
         self.record_memory = bool(record_memory)
         self.record_communication = bool(record_communication)
         self.output_dir = Path(output_dir)
-        self.steps = None if steps is None else sorted({int(s) for s in steps})
+        self.steps = sorted({int(s) for s in steps}) if steps else None  # None/[] = all
         if self.steps is not None and any(s < 0 for s in self.steps):
             raise ValueError(f"profiler steps must be >= 0, got {self.steps}")
         self.recorder = (
