@@ -238,6 +238,9 @@ def test_recorder_and_stats():
     assert {"compression_ratio", "rel_error", "finite"} <= set(records[-1].extra)
     d = state.last_stats[1].to_dict()
     assert d["method"] == "int8" and d["time_s"] >= 0
+    m = state.metrics()
+    assert m["comm/wire_bytes"] == 0 and m["comm/nonfinite_buckets"] == 0  # W = 1
+    assert 0 < m["comm/rel_error"] < 0.05 and m["comm/ef_state_bytes"] > 0
 
 
 def test_error_feedback_memory_at_most_bf16_copy():

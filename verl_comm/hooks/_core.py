@@ -215,8 +215,9 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     """Reduce ``bucket.buffer()`` in place with ``method`` and return a completed Future.
 
     ``method`` is one of ``allreduce``, ``fp16``, ``bf16``, ``int8``, ``lowrank_int8``;
-    int8 and low rank run a plain all-reduce before ``config.start_iter``; with ``policy:
-    auto`` each compressing bucket takes the path the policy chose.
+    int8 and low rank (and every compressing method under ``policy: auto``) run a plain
+    all-reduce before ``config.start_iter``; with ``policy: auto`` each compressing bucket
+    then takes the path the policy chose at its first step (measured once per bucket).
     """
     state.apply_deferred()
     buf = bucket.buffer()
@@ -231,9 +232,10 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     if dev.type != "cpu":
         bs.tensors_to(dev)
     path = method
-    if method in ("int8", "lowrank_int8") and state.iteration < cfg.start_iter:
-        path = "allreduce"
-    elif method in COMPRESSING and cfg.policy == "auto" and buf.numel():
+    auto = method in COMPRESSING and cfg.policy == "auto"
+    if (auto or method in ("int8", "lowrank_int8")) and state.iteration < cfg.start_iter:
+        path = "allreduce"  # DDP may still rebuild its buckets
+    elif auto and buf.numel():
         if not policy_decision(state, bs, method, buf, index).compress:
             path = "allreduce"
 

@@ -204,6 +204,36 @@ class CommHookState:
         """Bytes of error-feedback residuals and Q factors held by this rank."""
         return sum(b.nbytes() for b in self.buckets.values())
 
+    def metrics(self) -> dict[str, float]:
+        """Namespaced metrics of the latest completed step (for the trainer's logger).
+
+        Keys: ``comm/wire_bytes`` and ``comm/plain_bytes`` (bytes this rank sent / would send
+        uncompressed, summed over buckets), ``comm/compression_ratio``, ``comm/hook_time_s``
+        (seconds, summed), ``comm/rel_error`` (mean over buckets that track it),
+        ``comm/residual_norm`` (L2 over buckets), ``comm/nonfinite_buckets`` (count),
+        ``comm/ef_state_bytes``. Empty before the first step.
+        """
+        st = list(self.last_stats.values())
+        if not st:
+            return {}
+        wire = sum(s.wire_bytes for s in st)
+        plain = sum(s.plain_bytes for s in st)
+        rel = [s.rel_error for s in st if s.rel_error is not None]
+        res = [s.residual_norm for s in st if s.residual_norm is not None]
+        out = {
+            "comm/wire_bytes": float(wire),
+            "comm/plain_bytes": float(plain),
+            "comm/compression_ratio": plain / wire if wire else 1.0,
+            "comm/hook_time_s": sum(s.time_s for s in st),
+            "comm/nonfinite_buckets": float(sum(not s.finite for s in st)),
+            "comm/ef_state_bytes": float(self.ef_state_nbytes()),
+        }
+        if rel:
+            out["comm/rel_error"] = sum(rel) / len(rel)
+        if res:
+            out["comm/residual_norm"] = sum(r * r for r in res) ** 0.5
+        return out
+
     # -- bucket state ----------------------------------------------------------------
     def bucket_state(self, index: int, signature: tuple, meta: tuple) -> BucketState:
         """The state of bucket ``index``; a changed layout or method resets it (warning)."""
