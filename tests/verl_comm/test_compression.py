@@ -307,3 +307,23 @@ def test_loopback_collective_shapes_and_bytes():
     c.all_gather_into_tensor(g, x)
     assert torch.equal(g.view(4, 8)[3], x)
     assert c.bytes_sent == 3 * 32 // 4 + 3 * 32
+
+
+def test_lowrank_warm_start_off_draws_fresh_q():
+    plan = plan_lowrank([(64, 32)], rank=4)
+    flat = torch.randn(plan.numel)
+    gens = {}
+    for warm in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        st = LowRankBucketState()
+        for _ in range(3):
+            lowrank_int8_allreduce(
+                flat, plan, st, LocalCollective(), warm_start=warm, generator=gen
+            )
+        gens[warm] = gen.get_state()
+    fresh = torch.Generator().manual_seed(0)
+    torch.randn(1, 32, 4, generator=fresh)  # one draw: warm start only draws at step 0
+    assert torch.equal(gens[True], fresh.get_state())
+    for _ in range(2):
+        torch.randn(1, 32, 4, generator=fresh)
+    assert torch.equal(gens[False], fresh.get_state())  # a fresh Q every step
