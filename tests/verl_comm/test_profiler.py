@@ -110,7 +110,7 @@ def test_chrome_trace_is_valid_json_and_report_runs(tmp_path, capsys):
     assert profile_main(["report", str(tmp_path / "run"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["metrics"]["steps"]["n"] == 3
-    assert doc["flat"]["timing_s/gen"] == pytest.approx(0.005, rel=0.5)
+    assert doc["flat"]["timing_s/gen"] == doc["metrics"]["phases"]["gen"]["per_step_s"] >= 0.005
     assert "comm/share_of_step" in doc["flat"]
     assert [s["id"] for s in doc["diagnosis"]["symptoms"]] == [1, 2, 3, 4]
     assert doc["diagnosis"]["symptoms"][0]["found"] is None  # 3 steps < min_samples
@@ -197,3 +197,39 @@ def test_diagnosis_thresholds_on_synthetic_profiles(tmp_path):
 
     with pytest.raises(ValueError, match="jitter_ratio"):
         diagnose(m, Thresholds(jitter_ratio=0.5))
+
+
+def test_device_timeline_exposed_comm_and_idle_gaps(tmp_path):
+    """GPU path of the analysis on a hand-made device timeline (NCCL kernels + compute)."""
+    t = 10.0
+    steps, phases, kernels = [], [], []
+    for i in range(5):
+        steps.append({"step": i, "t0": t, "t1": t + 1.0})
+        phases.append({"name": "update_actor", "step": i, "depth": 0, "t0": t, "t1": t + 0.65})
+        phases.append({"name": "reward", "step": i, "depth": 0, "t0": t + 0.65, "t1": t + 1.0})
+        kernels.append({"name": "gemm", "t0": t, "t1": t + 0.4, "comm": False})
+        kernels.append(
+            {"name": "ncclDevKernel_AllReduce", "t0": t + 0.25, "t1": t + 0.65, "comm": True}
+        )
+        t += 1.0
+    torch_comm = [dict(k, source="kernel") for k in kernels if k["comm"]]
+    meta = {"rank": 0, "world_size": 2, "device": "H200", "cuda": True, "overhead_s": 0.01}
+    data = {
+        "meta": meta,
+        "steps": steps,
+        "phases": phases,
+        "comm": [],
+        "torch_comm": torch_comm,
+        "kernels": kernels,
+    }
+    m, d = _run(tmp_path, data)
+    c = m["comm"]
+    assert c["source"].startswith("NCCL kernels")
+    assert c["per_step_s"] == pytest.approx(0.4)
+    assert c["exposed_s"] == pytest.approx(5 * 0.25)  # 0.4..0.65 not hidden by the gemm
+    assert c["share_of_backward"] == pytest.approx(0.4 / 0.65)
+    idle = m["gpu_idle"]
+    assert idle["share"] == pytest.approx(0.35)
+    assert idle["by_phase_s"] == {"reward": pytest.approx(5 * 0.35)}
+    assert d["found"] == [2, 3]  # device idle in reward 35% > 30%; comm 40% > 35%
+    assert d["symptoms"][1]["values"]["gpu_idle_share"] == pytest.approx(0.35)

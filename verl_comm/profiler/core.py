@@ -275,7 +275,9 @@ class VerlProfiler:
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             if self._cuda and self.record_memory:
                 try:
-                    torch.cuda.memory._record_memory_history(max_entries=100_000)
+                    torch.cuda.memory._record_memory_history(
+                        context="alloc", stacks="python", max_entries=100_000
+                    )
                 except Exception:  # noqa: BLE001 - optional feature
                     pass
             self._torch_prof = torch.profiler.profile(activities=acts)
