@@ -455,6 +455,23 @@ def test_reducer_matches_ddp_with_verl_comm_hooks(results, hook):
         assert (a[name] is None and b[name] is None) or torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.timeout(300)
+def test_reducer_matches_ddp_world_size_3(tmp_path):
+    """Odd world size; bucket sizes not multiples of W x quant_block."""
+    res = run_ranks("vs_ddp_ours", tmp_path, world=3, timeout=240)
+    for r, out in enumerate(res):
+        for hook in ("int8", "lowrank"):
+            o = out["vs_ddp_ours"][hook]
+            for step, (ref, mine) in enumerate(zip(o["ddp"], o["mine"])):
+                _assert_grads_close(ref, mine, 1e-5, 1e-7, f"W=3 {hook} rank {r} step {step}")
+    last = [out["vs_ddp_ours"]["int8"]["mine"][-1] for out in res]
+    for name, g in last[0].items():
+        if g is None:  # the frozen layer
+            assert all(other[name] is None for other in last[1:]), name
+        else:
+            assert all(torch.equal(g, other[name]) for other in last[1:]), name
+
+
 def _by_rank(results):
     return [{k: v[r] for k, v in results.items()} for r in range(2)]
 
