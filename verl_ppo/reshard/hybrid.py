@@ -52,7 +52,9 @@ def named_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Parameters by HF name; a DeepSpeed engine's ``module.`` prefix is dropped."""
     out = {}
     for name, p in module.named_parameters():
-        out[name[len("module.") :] if name.startswith("module.") else name] = p
+        while name.startswith("module."):  # DeepSpeed engine / DDP wrappers
+            name = name[len("module.") :]
+        out[name] = p
     return out
 
 
