@@ -54,8 +54,9 @@ class ModelConfig(_Strict):
     )
     tiny: dict[str, Any] | None = Field(
         None,
-        description="build a randomly initialised Llama from these LlamaConfig fields instead "
-        "(tests, benchmarks); the tokenizer still comes from `path` or SmolLM2",
+        description="build a randomly initialised model from these config fields instead "
+        "(tests, benchmarks); `model_type` picks the family (llama default, qwen2, ...); "
+        "the tokenizer still comes from `path` or SmolLM2",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="parameter/compute dtype: auto = bf16 on GPU, fp32 on CPU"
@@ -82,6 +83,9 @@ class DataConfig(_Strict):
     train_size: int = Field(10_000, gt=0, description="distinct training prompts (cycled)")
     eval_size: int = Field(32, ge=0, description="held-out prompts scored greedily; 0 = no eval")
     max_prompt_len: int = Field(160, gt=0, description="prompts longer than this (tokens) fail")
+    pad_prompt_to: int | None = Field(
+        None, gt=0, description="left-pad every prompt batch to this many tokens (benchmarks)"
+    )
 
 
 class RolloutConfig(_Strict):
@@ -92,6 +96,9 @@ class RolloutConfig(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: int = Field(0, ge=0, description="0 = no top-k filter")
     eval_max_new_tokens: int = Field(24, gt=0, description="response limit for greedy eval")
+    ignore_eos: bool = Field(
+        False, description="always generate max_new_tokens (fixed-length benchmarks)"
+    )
     use_cuda_graph: bool = Field(False, description="capture decode steps as CUDA graphs (GPU)")
 
 

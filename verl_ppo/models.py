@@ -23,10 +23,17 @@ def load_tokenizer(model_cfg: Any) -> Any:
 
 
 def _tiny_config(model_cfg: Any, tokenizer: Any) -> Any:
-    from transformers import LlamaConfig
+    """A HF config from ``model.tiny``: ``model_type`` (default llama) plus its fields."""
+    from transformers import AutoConfig
 
     fields = {"vocab_size": len(tokenizer), "tie_word_embeddings": True, **model_cfg.tiny}
-    return LlamaConfig(**fields)
+    model_type = fields.pop("model_type", "llama")
+    if fields["vocab_size"] < len(tokenizer):
+        raise ValueError(
+            f"model.tiny.vocab_size={fields['vocab_size']} is smaller than the tokenizer's "
+            f"{len(tokenizer)} tokens"
+        )
+    return AutoConfig.for_model(model_type, **fields)
 
 
 def build_policy(model_cfg: Any, tokenizer: Any, dtype: torch.dtype, seed: int) -> torch.nn.Module:

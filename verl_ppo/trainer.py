@@ -196,7 +196,11 @@ class PPOTrainer:
         return texts, entries, torch.tensor(groups, dtype=torch.long)
 
     def _encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        data = self.config.data
+        pad_kw: dict[str, Any] = {"padding": True}
+        if data.pad_prompt_to:
+            pad_kw = {"padding": "max_length", "max_length": data.pad_prompt_to}
+        enc = self.tokenizer(texts, return_tensors="pt", add_special_tokens=False, **pad_kw)
         if enc.input_ids.shape[1] > self.config.data.max_prompt_len:
             raise ValueError(
                 f"a prompt has {enc.input_ids.shape[1]} tokens > data.max_prompt_len="
@@ -212,7 +216,7 @@ class PPOTrainer:
             input_ids,
             attention_mask,
             max_new_tokens=max_new,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=-1 if (r.ignore_eos and not greedy) else self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
             do_sample=not greedy,
             temperature=r.temperature,

