@@ -215,7 +215,6 @@ def ref_lowrank(inputs, lr_states, gen_state, plan, block) -> torch.Tensor:
 
 def _capture(hook, state, log):
     """Wrap ``hook`` to log each bucket's input, pre-step state and output."""
-    from verl_comm.compression.lowrank import LowRankBucketState  # noqa: F401
 
     def wrapped(state, bucket):
         idx = bucket.index()
@@ -297,22 +296,20 @@ def _check_bucket(method, entry, state, dtype, world) -> dict:
         bs = state.buckets[entry["index"]]
         plan = bucket_plan(state, bs, out.numel())
         lr = entry["lr"]
-        all_lr = []
-        for _ in range(world):
-            all_lr.append(([], [], None))
         # gather each rank's pre-step residuals (Q is identical on every rank)
-        qs = lr[0]
-        resids = []
+        qs, resids = lr[0], []
         for gi in range(len(plan.groups)):
             rg = lr[1][gi] if lr[1] and lr[1][gi] is not None else None
             resids.append(None if rg is None else gather(rg))
         rest = gather(lr[2]) if lr[2] is not None else None
-        for r in range(world):
-            all_lr[r] = (
+        all_lr = [
+            (
                 qs,
-                [None if x is None else x[r] for x in resids] if resids else [],
+                [None if x is None else x[r] for x in resids],
                 None if rest is None else rest[r],
             )
+            for r in range(world)
+        ]
         ref = ref_lowrank(inputs, all_lr, entry["gen"], plan, block)
         res["rel_err"] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
         res["n_groups"] = len(plan.groups)
