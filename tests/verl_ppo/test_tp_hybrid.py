@@ -152,3 +152,24 @@ def test_hybrid_engine_two_processes():
         assert "modified inside hybrid.rollout()" in r["modify_error"]
         z = r["zero3"]
         assert z["partitioned"] and z["equal"] and z["bytes"] == z["lower"] > 0, z
+
+
+def test_single_rank_reshard_aliases_training_weights():
+    """World size 1, TP 1: with alias the rollout shards are the training tensors (no copy)."""
+    from verl_ppo.reshard.engine import ReshardEngine
+    from verl_ppo.reshard.layout import ParallelLayout
+
+    model = _model("llama")
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    for alias in (True, False):
+        eng = ReshardEngine(model.config, ParallelLayout(), ParallelLayout(), alias=alias)
+        out = eng.reshard(weights)
+        same = [out[n].data_ptr() == w.data_ptr() for n, w in weights.items()]
+        assert all(same) if alias else not any(same)
+        assert all(torch.equal(out[n], w) for n, w in weights.items())
+        s = eng.last_stats
+        assert s.bytes_received == 0 and s.buckets == 0
+        assert s.peak_extra_bytes == (0 if alias else s.rollout_bytes)
+    ids, mask = _prompts(5)
+    got = tp_generate(TPCausalLM(model.config, out, TPGroup.single()), ids, mask, 6, **GEN)
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN))

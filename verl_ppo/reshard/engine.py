@@ -71,6 +71,8 @@ class ReshardEngine:
         transport: ``"all_to_all"`` or ``"p2p"`` (engine only).
         recorder: optional :class:`CommRecorder`.
         choose_placement: let the planner pick the rollout rank placement.
+        alias: engine only; see :class:`ReshardExecutor` (rollout shards may be the
+            training tensors themselves where they coincide).
 
     Raises:
         ValueError: bad layout or method, before any communication (the naive method's
@@ -88,6 +90,7 @@ class ReshardEngine:
         transport: str = "all_to_all",
         recorder: CommRecorder | None = None,
         choose_placement: bool = True,
+        alias: bool = False,
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -97,7 +100,7 @@ class ReshardEngine:
         self.group, self.method = group, method
         if method == "engine":
             self._runner = ReshardExecutor(
-                self.plan, self.rank, group, bucket_bytes, transport, recorder
+                self.plan, self.rank, group, bucket_bytes, transport, recorder, alias
             )
         else:
             self._runner = NaiveAllGather(self.plan, self.rank, group, bucket_bytes, recorder)

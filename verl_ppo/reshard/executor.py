@@ -34,7 +34,8 @@ class ReshardStats:
         bytes_sent, bytes_received: payload bytes over the wire (this rank).
         lower_bound_bytes: rollout bytes this rank did not hold in training.
         rollout_bytes: size of this rank's rollout shard (bytes).
-        peak_extra_bytes: transient buffers (both bucket buffers) plus the rollout shard.
+        peak_extra_bytes: transient buffers (both bucket buffers) plus the rollout shard
+            (less what is aliased to training storage).
         buckets: number of buckets run.
     """
 
@@ -101,6 +102,9 @@ class ReshardExecutor:
         transport: ``"all_to_all"`` (``all_to_all_single``) or ``"p2p"``
             (``batch_isend_irecv``).
         recorder: optional :class:`CommRecorder`; one record per bucket.
+        alias: where a rank's rollout shard of a parameter is exactly its training storage
+            (TP 1 rollout from full weights, replicated norms), return the training tensor
+            itself instead of a copy (read-only use, no extra memory).
 
     Raises:
         ValueError: unknown transport or a bucket smaller than one element.
@@ -114,13 +118,28 @@ class ReshardExecutor:
         bucket_bytes: int = 64 << 20,
         transport: str = "all_to_all",
         recorder: CommRecorder | None = None,
+        alias: bool = False,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.plan, self.rank, self.group = plan, rank, group
         self.bucket_bytes, self.transport, self.recorder = int(bucket_bytes), transport, recorder
-        self.local = [t for t in plan.local if t.dst == rank]
-
+        local = [t for t in plan.local if t.dst == rank]
+        self.aliased: set[int] = set()
+        if alias:
+            count: dict[int, list[Transfer]] = {}
+            for t in local:
+                count.setdefault(t.param, []).append(t)
+            for p, ts in count.items():
+                t, tsh, rsh = ts[0], plan.train_shards[rank][p], plan.rollout_shards[rank][p]
+                if (
+                    len(ts) == 1
+                    and t.src_offset == t.dst_offset == 0
+                    and t.src_strides == t.dst_strides
+                    and t.numel == tsh.numel == rsh.numel
+                ):
+                    self.aliased.add(p)
+        self.local = [t for t in local if t.param not in self.aliased]
         self._schedule: dict[int, tuple[list, int]] = {}
 
     def schedule(self, itemsize: int) -> tuple[list[tuple[list[Transfer], list[Transfer]]], int]:
@@ -179,7 +198,9 @@ class ReshardExecutor:
         outs: dict[int, torch.Tensor] = {}
         for p, _spec in enumerate(plan.specs):
             sh = plan.rollout_shards[r][p]
-            if sh is not None:
+            if p in self.aliased:
+                outs[p] = srcs[p]
+            elif sh is not None:
                 outs[p] = torch.empty(sh.numel, dtype=dtype, device=device)
         mine, slot_elems = self.schedule(itemsize)
         slots = [
@@ -211,13 +232,14 @@ class ReshardExecutor:
         for p, flat in outs.items():
             result[plan.specs[p].name] = flat.view(plan.rollout_shards[r][p].local_shape)
         roll_bytes = plan.rollout_elems[r] * itemsize
+        fresh = roll_bytes - sum(outs[p].numel() for p in self.aliased) * itemsize
         stats = ReshardStats(
             time_s=elapsed,
             bytes_sent=sent,
             bytes_received=received,
             lower_bound_bytes=plan.lower_bound_elems[r] * itemsize,
             rollout_bytes=roll_bytes,
-            peak_extra_bytes=len(slots) * slot_elems * itemsize + roll_bytes,
+            peak_extra_bytes=len(slots) * slot_elems * itemsize + fresh,
             buckets=len(mine),
         )
         return result, stats

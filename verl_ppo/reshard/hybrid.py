@@ -105,6 +105,7 @@ class HybridEngine:
             method=hybrid_cfg.method,
             transport=hybrid_cfg.transport,
             recorder=recorder,
+            alias=True,  # the rollout model only reads: share what coincides (norms, TP 1)
         )
         lay, rank = engine.rollout_layout, engine.rank
 
