@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -49,10 +48,13 @@ def ensure_process_group(cfg: Any) -> bool:
     Under torchrun or our launcher the rank comes from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
     and ``MASTER_ADDR``/``MASTER_PORT``; in a plain process a one-rank group on a free
     loopback port is created. ``comm.nccl_preset`` is applied first (NCCL reads its
-    environment at init), and the timeout ``comm.timeout_s`` bounds every collective.
+    environment at init), and ``comm.timeout_s`` bounds the rendezvous and every
+    collective (verl_comm.dist turns a failure into a clear error naming the cause).
     """
     if dist.is_initialized():
         return False
+    from verl_comm.dist import init_distributed
+
     if cfg.comm.nccl_preset:
         from verl_comm.nccl import apply_preset
 
@@ -68,11 +70,24 @@ def ensure_process_group(cfg: Any) -> bool:
         )
     backend = resolve_backend(cfg.comm.backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    kwargs: dict[str, Any] = {}
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-        kwargs["device_id"] = torch.device("cuda", local_rank)
-    dist.init_process_group(
-        backend=backend, timeout=timedelta(seconds=cfg.comm.timeout_s), **kwargs
-    )
+    init_distributed(backend, cfg.comm.timeout_s, local_rank=local_rank)
     return True
+
+
+def environment_findings(env: dict[str, str] | None = None) -> list[str]:
+    """Lines describing warnings/errors of verl_comm's NCCL/gloo environment linter and
+    the NVLink topology check (empty when all is well). Printed once by rank 0."""
+    from verl_comm.nccl import lint
+
+    lines = [
+        f"{f.severity}: {f.variable}: {f.message} (fix: {f.fix})"
+        for f in lint(dict(os.environ if env is None else env))
+        if f.severity in ("warning", "error")
+    ]
+    if torch.cuda.is_available():
+        from verl_comm.nccl.topology import detect_host
+
+        lines += [f"topology: {p}" for p in detect_host(timeout_s=5.0).nvlink_problems]
+    return lines

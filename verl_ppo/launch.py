@@ -71,6 +71,7 @@ def launch(cfg: Any, config_path: str | None, overrides: list[str]) -> int:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             VERL_PPO_LAUNCHED="1",
+            VERL_PPO_RUN_DIR=str(cfg.run_dir),
         )
         env.setdefault("OMP_NUM_THREADS", str(threads))
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))

@@ -83,6 +83,11 @@ class PPOTrainer:
         self._owns_group = ensure_process_group(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.log = get_logger(self.rank)
+        if self.rank == 0:
+            from verl_ppo.distributed import environment_findings
+
+            for line in environment_findings():
+                self.log.warning("environment %s", line)
         self.cuda = torch.cuda.is_available()
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")

@@ -117,7 +117,7 @@ class Actor:
                         kl = kl_penalty(logp, micro.ref_log_prob, a.kl.estimator)
                         kl_loss = agg_loss(kl, mask, a.loss_agg_mode, divisor)
                         loss = loss + a.kl.kl_coef * kl_loss
-                        sums["actor/kl_loss"] += float(kl_loss)
+                        sums["actor/kl_loss"] += float(kl_loss.detach())
                         counts["actor/kl_loss"] += 1
                     if a.loss_agg_mode != "token-mean":
                         loss = loss * micro.batch_size / max(mb_exp.batch_size, 1)
@@ -125,7 +125,7 @@ class Actor:
                     if self.grad_comm is not None:
                         self.grad_comm.after_backward()
                     self.strategy.step()
-                    sums["actor/pg_loss"] += float(pg_loss)
+                    sums["actor/pg_loss"] += float(pg_loss.detach())
                     counts["actor/pg_loss"] += 1
                     for k, v in m.items():
                         sums[f"actor/{k}"] += float(v)
