@@ -192,11 +192,14 @@ class CommConfig(_Strict):
 
 
 class ProfilerConfig(_Strict):
-    """verl_comm profiler (torch.profiler based)."""
+    """verl_comm profiler (torch.profiler based); report with ``verl-comm profile report DIR``."""
 
-    enable: bool = False
+    enable: bool = Field(False, description="off = zero overhead")
     steps: list[int] = Field(default_factory=list, description="steps to profile; [] = all")
-    output_dir: str = "profile_logs"
+    output_dir: str = Field("profile_logs", description="per-rank profiles and traces")
+    record_memory: bool = Field(True, description="allocated/reserved over time, peak per phase")
+    record_communication: bool = Field(True, description="collectives of hooks/reducer/reshard")
+    torch_profiler: bool = Field(True, description="also run torch.profiler (Chrome traces)")
 
 
 class MonitorConfig(_Strict):

@@ -97,6 +97,13 @@ class PPOTrainer:
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed)
 
+        from verl_comm.profiler import VerlProfiler
+        from verl_comm.telemetry import CommRecorder
+
+        self.recorder = CommRecorder()
+        self.profiler = VerlProfiler.from_config(
+            cfg.profiler, recorder=self.recorder, rank=self.rank
+        )
         self.tokenizer = load_tokenizer(cfg.model)
         self.task = Task(
             cfg.data.task,
@@ -180,7 +187,7 @@ class PPOTrainer:
 
         self.grad_comm = {}
         for role, strat in self.engines.items():
-            handle = attach_grad_comm(strat.engine, self.config.compression)
+            handle = attach_grad_comm(strat.engine, self.config.compression, recorder=self.recorder)
             self.grad_comm[role] = handle
         self.actor.grad_comm = self.grad_comm.get("actor")
         if self.critic is not None:
@@ -255,7 +262,7 @@ class PPOTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         """One PPO step (collective); returns metrics averaged over ranks."""
         cfg = self.config
-        timer = PhaseTimer(sync_cuda=self.cuda)
+        timer = PhaseTimer(profiler=self.profiler, sync_cuda=self.cuda)
         m: dict[str, float] = {}
         texts, entries, groups = self._prompts(step)
         prompt_ids, prompt_mask = self._encode(texts)
@@ -264,6 +271,7 @@ class PPOTrainer:
             self.actor.module.eval()
             seed = cfg.seed * 1_000_003 + step * 7919 + self.rank
             seqs = self._generate(prompt_ids, prompt_mask, False, cfg.rollout.max_new_tokens, seed)
+        self.profiler.record_rollout(timer.times["gen"], seqs.shape[0])
         responses = seqs[:, P:]
         rmask = response_mask_from(
             responses, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
@@ -300,8 +308,8 @@ class PPOTrainer:
         m["response/clip_ratio"] = float((lengths >= cfg.rollout.max_new_tokens).float().mean())
         m["perf/tokens"] = float(exp.attention_mask.sum())
         for role, handle in self.grad_comm.items():
-            for k, v in getattr(handle, "metrics", dict)().items():
-                m[f"comm/{role}/{k}"] = float(v)
+            for k, v in handle.hook_state.metrics().items():
+                m[f"comm/{role}/{k.split('/', 1)[-1]}"] = float(v)
         m = self._reduce_metrics(m)
         m["perf/tokens"] *= self.world
         m["perf/throughput_tokens_per_s"] = m["perf/tokens"] / max(m["timing_s/step"], 1e-9)
@@ -429,8 +437,10 @@ class PPOTrainer:
         )
         out = []
         t_start = time.perf_counter()
+        self.profiler.start()
         while self.step < total:
             m = self.train_step(self.step)
+            self.profiler.step()
             self.step += 1
             if want_eval and (
                 self.step == total
@@ -447,6 +457,7 @@ class PPOTrainer:
                 self.save_checkpoint()
             bar.update(1)
         bar.close()
+        self.profiler.stop()
         if not cfg.train.save_interval or self.step % cfg.train.save_interval:
             path = self.save_checkpoint()
             self.log.info("checkpoint %s (%.1f s total)", path, time.perf_counter() - t_start)
