@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from bisect import bisect_left, bisect_right
+from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -315,8 +316,9 @@ def make_buckets(plan: ReshardPlan, bucket_elems: int) -> tuple[tuple[Transfer, 
 
     In each bucket every rank sends plus receives at most ``bucket_elems`` elements, so one
     send+receive buffer of ``bucket_elems`` per in-flight bucket suffices. Transfers larger
-    than that are split (:func:`split_transfer`). Order: parameter order, so buckets fill
-    layer by layer.
+    than that are split (:func:`split_transfer`). Order: parameter order within each
+    (src, dst) pair, pairs interleaved by bytes scheduled so far, so each bucket loads every
+    link in both directions.
 
     Raises:
         ValueError: ``bucket_elems < 1``.
@@ -324,9 +326,19 @@ def make_buckets(plan: ReshardPlan, bucket_elems: int) -> tuple[tuple[Transfer, 
     if bucket_elems < 1:
         raise ValueError(f"bucket size must be >= 1 element, got {bucket_elems}")
     n = plan.world_size
-    pieces = []
+    queues: dict[tuple[int, int], deque] = {}
     for t in sorted(plan.transfers, key=lambda t: (t.param, t.dst, t.gbox)):
-        pieces += split_transfer(t, bucket_elems)
+        queues.setdefault((t.src, t.dst), deque()).extend(split_transfer(t, bucket_elems))
+    # interleave (src, dst) pairs, least-scheduled first, so every bucket carries traffic in
+    # both directions of each link (full duplex) instead of one stage's layers at a time
+    pieces, scheduled = [], dict.fromkeys(queues, 0)
+    while queues:
+        pair = min(queues, key=lambda k: (scheduled[k], k))
+        t = queues[pair].popleft()
+        pieces.append(t)
+        scheduled[pair] += t.numel
+        if not queues[pair]:
+            del queues[pair]
     buckets, cur, load = [], [], [0] * n
     for t in pieces:
         k = t.numel
