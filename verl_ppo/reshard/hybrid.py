@@ -17,6 +17,7 @@ leaving checks that (tensor version counters unchanged), so ``reshard/back_bytes
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -32,6 +33,8 @@ from verl_ppo.reshard.engine import ReshardEngine
 from verl_ppo.reshard.specs import slice_shard
 from verl_ppo.rollout.tp_generate import TPRolloutModel
 from verl_ppo.rollout.tp_model import TPCausalLM, TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 def _memory_gb(device: torch.device) -> dict[str, float]:
@@ -211,6 +214,15 @@ class HybridEngine:
         m["reshard/tensor_parallel_size"] = float(self.tp.size)
         for k, v in _memory_gb(device).items():
             m[f"memory/enter_after_{k}"] = v
+        logger.info(
+            "hybrid engine enter: %s -> %s in %.3f s, %d B received (lower bound %d B), memory %s",
+            self.engine.plan.train.describe(),
+            self.engine.rollout_layout.describe(),
+            m["timing_s/reshard"],
+            s.bytes_received,
+            s.lower_bound_bytes,
+            {k: round(v, 3) for k, v in m.items() if k.startswith("memory/")},
+        )
         failed = False
         try:
             yield model
@@ -231,6 +243,11 @@ class HybridEngine:
             for k, v in _memory_gb(device).items():
                 m[f"memory/exit_after_{k}"] = v
             self.last_metrics = m
+            logger.info(
+                "hybrid engine exit: rollout freed in %.3f s, memory %s",
+                m["timing_s/reshard_exit"],
+                {k: round(v, 3) for k, v in m.items() if k.startswith("memory/exit")},
+            )
             changed = [i for i, prm in enumerate(params) if prm._version != versions[i]]
             if changed and not failed:
                 raise RuntimeError(
