@@ -1,0 +1,378 @@
+"""Production-checklist throughput: each item on and off, side by side in one process.
+
+Items measured on a random-weight model of the shape given by flags:
+
+- rollout (``rollout.use_cuda_graph``): generated tokens/s of ``generate.py`` (HF eager,
+  dynamic KV cache), the static-cache decoder without graphs, and with decode steps
+  captured as CUDA graphs (GPU only);
+- training forward+backward (sequence packing + token-budget micro-batches): valid
+  tokens/s of the padded path (fixed ``--micro-batch-size`` sequences) and of the packed
+  path (micro-batches under ``--max-tokens`` = micro-batch size x padded length, i.e. the
+  same memory budget).
+
+Protocol: numerics are checked first and the script exits non-zero when they fail
+(teacher-forced logits of the static-cache decoder vs the HF forward; graph vs no graph;
+packed vs padded log-probs and loss). Then ``--warmup`` untimed rounds, ``--rounds`` timed
+rounds with the methods interleaved inside each round; CUDA events bracket each method
+(``torch.cuda.synchronize`` before reading), median over rounds. The batch has variable
+prompt lengths (U[P/4, P], left-padded) and response lengths (U[R/8, R], EOS disabled so
+rollout always generates R tokens).
+
+Single GPU (the lead's command, Qwen2.5-0.5B shape, bf16)::
+
+    python benchmarks/checklist.py --out $OUT --dtype bfloat16 --batch 64 \
+        --prompt-len 256 --response-len 256
+
+CPU smoke (CI, < 60 s)::
+
+    python benchmarks/checklist.py --smoke --out /tmp/checklist
+
+Writes ``<out>/checklist.jsonl`` (``"metric": "tokens_per_s"`` per ``item``/``method``)
+and ``<out>/checklist.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from verl_ppo.batching import token_budget_micro_batches  # noqa: E402
+from verl_ppo.packing import packed_log_probs  # noqa: E402
+from verl_ppo.roles.common import sequence_log_probs  # noqa: E402
+from verl_ppo.rollout.cuda_graph import StaticCacheDecoder  # noqa: E402
+from verl_ppo.rollout.generate import generate  # noqa: E402
+
+QWEN05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+)
+SMOKE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
+
+
+class NumericsError(RuntimeError):
+    """A method disagrees with its reference beyond the tolerance: no timing is written."""
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, < 60 s")
+    p.add_argument("--model-type", default="qwen2")
+    for k, v in QWEN05B.items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=8, help="padded path, sequences")
+    p.add_argument("--max-tokens", type=int, default=0, help="packed budget; 0 = mbs x L")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", default=None, help="commit id when .git is absent")
+    a = p.parse_args(argv)
+    if a.smoke:
+        for k, v in SMOKE.items():
+            setattr(a, k, v)
+        a.dtype, a.batch, a.prompt_len, a.response_len = "float32", 4, 12, 12
+        a.micro_batch_size, a.warmup, a.rounds = 2, 1, 2
+    return a
+
+
+def _commit(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        r = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        return r.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+class Timer:
+    """Seconds of a callable: CUDA events on GPU (synchronised), perf_counter on CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def build_model(a: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """Random-weight HF causal LM of the flags' shape, in ``--dtype``, eval mode, sdpa."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = {k: getattr(a, k) for k in QWEN05B}
+    cfg = AutoConfig.for_model(a.model_type, **shape)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(a.seed)
+    dtype = getattr(torch, a.dtype)
+    return AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
+
+
+def make_batch(a: argparse.Namespace, device: torch.device):
+    """Prompts ``(B, P)`` left-padded, plus full sequences ``(B, P + R)`` with masks."""
+    g = torch.Generator().manual_seed(a.seed)
+    B, P, R, V = a.batch, a.prompt_len, a.response_len, a.vocab_size
+    ids = torch.randint(1, V, (B, P + R), generator=g)
+    plen = torch.randint(max(P // 4, 1), P + 1, (B,), generator=g)
+    rlen = torch.randint(max(R // 8, 1), R + 1, (B,), generator=g)
+    col = torch.arange(P + R)
+    mask = ((col >= P - plen[:, None]) & (col < P + rlen[:, None])).long()
+    ids = ids * mask
+    return ids[:, :P].to(device), mask[:, :P].to(device), ids.to(device), mask.to(device)
+
+
+def _hf_logits(model, seq: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(
+            input_ids=seq,
+            attention_mask=mask,
+            position_ids=(mask.long().cumsum(-1) - 1).clamp_min(0),
+            use_cache=False,
+        )
+    return out.logits[:, start:].float()
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return (x - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+
+
+def check_rollout(model, ref_model, dec, gdec, prompt, pmask, steps: int) -> dict:
+    """Teacher-forced logits of the static-cache decoder vs the HF forward.
+
+    The tolerance is relative to the noise floor of the run's dtype: ours (vs the fp32 HF
+    forward of ``ref_model``) may err at most 2x as much as HF's own forward in the run's
+    dtype, + 1e-4; graph and no-graph replay the same kernels and must agree to 1e-3.
+
+    Raises:
+        NumericsError: a bound is exceeded.
+    """
+    P = prompt.shape[1]
+    logits = [dec.prefill(prompt, pmask).float()]
+    g_logits = [gdec.prefill(prompt, pmask).float()] if gdec else []
+    pos = (pmask.long().cumsum(-1) - 1)[:, -1] + 1
+    toks = []
+    for i in range(steps):
+        t = logits[-1].argmax(-1)
+        toks.append(t)
+        logits.append(dec.decode(t, pos + i, P + i).float())
+        if gdec:
+            g_logits.append(gdec.decode(t, pos + i, P + i).float().clone())
+    seq = torch.cat([prompt, torch.stack(toks, 1)], 1)
+    mask = torch.cat([pmask, torch.ones_like(seq[:, P:])], 1)
+    ref32 = _hf_logits(ref_model, seq, mask, P - 1)
+    floor = _rel(_hf_logits(model, seq, mask, P - 1), ref32)
+    ours = torch.stack(logits, 1)
+    out = {"rollout_rel_err_hf": floor, "rollout_rel_err_static": _rel(ours, ref32)}
+    ok = out["rollout_rel_err_static"] <= 2 * floor + 1e-4
+    if gdec:
+        out["rollout_rel_err_graph_vs_static"] = _rel(torch.stack(g_logits, 1), ours)
+        ok = ok and out["rollout_rel_err_graph_vs_static"] <= 1e-3
+    if not ok:
+        raise NumericsError(f"rollout numerics failed: {out}")
+    return out
+
+
+def check_packing(model, ref_model, ids, mask, P: int) -> dict:
+    """Packed vs padded response log-probs on valid tokens, against an fp32 padded reference.
+
+    Raises:
+        NumericsError: packed errs more than 2x the padded path in the run's dtype + 1e-4
+            (nats, max abs over valid response tokens).
+    """
+    rm = mask[:, P:].bool()
+    with torch.no_grad():
+        ref, _ = sequence_log_probs(ref_model, ids, mask, P)
+        pad, _ = sequence_log_probs(model, ids, mask, P)
+        pk, _ = packed_log_probs(model, ids, mask, P)
+    out = {
+        "logp_abs_err_padded": (pad - ref)[rm].abs().max().item(),
+        "logp_abs_err_packed": (pk - ref)[rm].abs().max().item(),
+    }
+    if out["logp_abs_err_packed"] > 2 * out["logp_abs_err_padded"] + 1e-4:
+        raise NumericsError(f"packing numerics failed: {out}")
+    return out
+
+
+def train_padded(model, ids, mask, P: int, mbs: int) -> None:
+    """Forward+backward of the token-mean log-prob loss, fixed micro-batches (padded)."""
+    n = mask[:, P:].sum()
+    for i in range(0, ids.shape[0], mbs):
+        lp, _ = sequence_log_probs(model, ids[i : i + mbs], mask[i : i + mbs], P)
+        (-(lp * mask[i : i + mbs, P:]).sum() / n).backward()
+
+
+def train_packed(model, ids, mask, P: int, plan: list[list[int]]) -> None:
+    """Same loss with packed micro-batches from the token-budget plan."""
+    n = mask[:, P:].sum()
+    for mb in plan:
+        idx = torch.tensor(mb, device=ids.device)
+        lp, _ = packed_log_probs(model, ids[idx], mask[idx], P)
+        (-(lp * mask[idx, P:]).sum() / n).backward()
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    cuda = torch.cuda.is_available() and not a.smoke
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    commit = _commit(a.commit)
+    model = build_model(a, device)
+    prompt, pmask, ids, mask = make_batch(a, device)
+    B, P, R = a.batch, a.prompt_len, a.response_len
+    timer = Timer(cuda)
+
+    # ---------------- numerics first
+    dec = StaticCacheDecoder(model, P + R, use_cuda_graph=False)
+    gdec = StaticCacheDecoder(model, P + R, use_cuda_graph=True) if cuda else None
+    ref_model = copy.deepcopy(model).float()
+    numerics = check_rollout(model, ref_model, dec, gdec, prompt, pmask, min(8, R - 1))
+    k = a.micro_batch_size
+    numerics.update(check_packing(model, ref_model, ids[:k], mask[:k], P))
+    del ref_model
+    if cuda:
+        torch.cuda.empty_cache()
+    lengths = mask.sum(-1)
+    budget = a.max_tokens or a.micro_batch_size * (P + R)
+    plan = token_budget_micro_batches(lengths, budget, mode="packed")
+    print(f"numerics ok: {numerics}; packed plan {len(plan)} micro-batches", flush=True)
+
+    # ---------------- timed rounds
+    gen_kw = dict(max_new_tokens=R, eos_token_id=-1, pad_token_id=0, do_sample=False)
+    rollout = {
+        "eager_dynamic_cache": lambda: generate(model, prompt, pmask, **gen_kw),
+        "static_cache": lambda: dec.generate(prompt, pmask, **gen_kw),
+    }
+    if gdec is not None:
+        rollout["cuda_graph"] = lambda: gdec.generate(prompt, pmask, **gen_kw)
+    model.train()
+    train = {
+        "padded": lambda: train_padded(model, ids, mask, P, a.micro_batch_size),
+        "packed": lambda: train_packed(model, ids, mask, P, plan),
+    }
+    times: dict[tuple[str, str], list[float]] = {}
+    for r in range(a.warmup + a.rounds):
+        for item, methods in (("rollout", rollout), ("train_fwd_bwd", train)):
+            for name, fn in methods.items():
+                model.eval() if item == "rollout" else model.train()
+                t = timer(fn)
+                model.zero_grad(set_to_none=True)
+                if r >= a.warmup:
+                    times.setdefault((item, name), []).append(t)
+        print(f"round {r} done", flush=True)
+
+    gen_tokens = B * R
+    valid_tokens = int(lengths.sum())
+    padded_tokens = B * (P + R)
+    common = {
+        "benchmark": "checklist",
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "python": sys.version.split()[0],
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+        "model": {k: getattr(a, k) for k in QWEN05B} | {"model_type": a.model_type},
+        "dtype": a.dtype,
+        "batch": B,
+        "prompt_len": P,
+        "response_len": R,
+        "rounds": a.rounds,
+        "numerics": numerics,
+    }
+    rows = []
+    for (item, name), ts in times.items():
+        med = statistics.median(ts)
+        tok = gen_tokens if item == "rollout" else valid_tokens
+        rows.append(
+            common
+            | {
+                "item": item,
+                "method": name,
+                "metric": "tokens_per_s",
+                "value": tok / med,
+                "unit": "tokens/s" + (" (generated)" if item == "rollout" else " (valid)"),
+                "time_s_median": med,
+                "time_s_all": ts,
+                "tokens": tok,
+                "padded_tokens": padded_tokens if item == "train_fwd_bwd" else None,
+                "micro_batches": (
+                    len(plan)
+                    if name == "packed"
+                    else -(-B // a.micro_batch_size)
+                    if item == "train_fwd_bwd"
+                    else None
+                ),
+            }
+        )
+    with open(out_dir / "checklist.jsonl", "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    base = {"rollout": "eager_dynamic_cache", "train_fwd_bwd": "padded"}
+    ref = {r["item"]: r["value"] for r in rows if r["method"] == base[r["item"]]}
+    lines = [
+        f"# checklist ({common['device']}, {a.dtype}, B={B}, P={P}, R={R}, "
+        f"{a.num_hidden_layers}L h{a.hidden_size} V{a.vocab_size}, commit {commit}, "
+        f"{common['date']})",
+        "",
+        "| item | method | tokens/s | median s | speed-up vs off |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['item']} | {row['method']} | {row['value']:.0f} | "
+            f"{row['time_s_median']:.3f} | {row['value'] / ref[row['item']]:.2f}x |"
+        )
+    lines += [
+        "",
+        f"Numerics (checked before timing): {numerics}. Rollout counts generated tokens; "
+        f"training counts valid tokens ({valid_tokens} of {padded_tokens} padded). "
+        + ("" if cuda else "cuda_graph not measured: no CUDA."),
+    ]
+    (out_dir / "checklist.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
