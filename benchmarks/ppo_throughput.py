@@ -1,0 +1,783 @@
+"""PPO throughput, ours (verl_ppo) vs TRL's PPO trainer, same model, lengths and batch.
+
+Protocol (issue 8, "GPU throughput, side by side"):
+
+* Model: a Qwen2.5-0.5B-shaped ``Qwen2ForCausalLM`` with random weights (``--shape qwen05b``:
+  hidden 896, 24 layers, 14 heads / 2 KV heads, FFN 4864, vocab 151936, tied embeddings),
+  SmolLM2's tokenizer (vocab 49152 fits the 151936 embedding). Critic / value model: the same
+  backbone with a scalar head in both systems.
+* Prompts: ``--prompt-len`` (256) real tokens each, no padding: common English words whose
+  tokenization is checked to be exactly that long. Both systems get the same prompt texts.
+* Responses: exactly ``--response-len`` (256) sampled tokens (ours: ``rollout.ignore_eos``;
+  TRL: no stop token). Checked after every step (fail loudly otherwise).
+* Batch: ``--rollout-batch`` sequences per step, global (128 = 64 per GPU on 2 GPUs), one
+  optimizer step per PPO step for actor and critic (mini-batch = rollout batch, 1 epoch),
+  ``--micro-batch`` sequences per forward/backward per rank. TRL: ``per_device_train_batch_size
+  = micro``, ``gradient_accumulation_steps = local batch / micro``, ``num_mini_batches = 1``,
+  ``local_rollout_forward_batch_size = local batch``; gradient checkpointing off in both.
+* dtype: bf16 on GPU in both (ours: DeepSpeed bf16; TRL: bf16 weights + ``bf16=True``).
+* Reward: ours a rule (string match, CPU); TRL needs a reward *model*: a 1-layer model of
+  the same width, so that its reward costs little, like ours.
+* Timing: ``--warmup`` steps untimed, then ``--steps`` steps; each step's wall time is taken
+  between CUDA-synchronized points and the max over ranks is kept; the median over steps is
+  reported. tokens/s/GPU = rollout batch x (prompt + response) / median step time / GPUs.
+  Phase breakdown: ours from the trainer's ``timing_s/*`` (CUDA-synchronized phases); TRL
+  from wrappers (synchronized) around its module functions ``batch_generation`` (gen),
+  ``forward`` without grad (ref) and ``get_reward`` (values + reward); ``update`` = step
+  minus those (PPO update of policy and value, GAE, logging).
+* Each system runs in its own launch (``torchrun --nproc_per_node=2``): separate processes
+  so that neither inherits the other's allocator state or process group.
+
+The fixed-length prompts are not a reasoning-gym task (and reasoning-gym is not installed
+on the GPU machine), so the benchmark hands the trainer a :class:`FixedLengthTask` in place
+of ``verl_ppo.trainer.Task`` for the duration of the run (same ``sample``/``score``
+interface). TRL 1.12.0 (the last release with ``trl.experimental.ppo``) imports pandas,
+datasets and pyarrow at module level although its PPO training loop never calls them; where
+they are not installed (the GPU machine; pyarrow + pandas would exceed the 64 MiB carried
+there), :func:`install_import_stand_ins` serves import-time stand-ins whose classes raise on
+use. Records say which (``trl_stand_ins``).
+
+Usage::
+
+    python benchmarks/ppo_throughput.py --smoke --out /tmp/ppo     # CPU, tiny model, < 90 s
+    python benchmarks/ppo_throughput.py --export-tokenizer .whl/tok  # tokenizer folder for GPU
+    torchrun --nproc_per_node=2 benchmarks/ppo_throughput.py --system verl_ppo \
+        --model-dir .whl/tok --out OUT
+    torchrun --nproc_per_node=2 benchmarks/ppo_throughput.py --system trl_ppo \
+        --model-dir .whl/tok --out OUT
+    python benchmarks/ppo_throughput.py --report --out OUT           # markdown + speedup
+    (benchmarks/gpu_ppo_throughput.sh OUTDIR does all of that on 2 x H200)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BENCH = "ppo_throughput"
+REPO = Path(__file__).resolve().parents[1]
+TARGET_SPEEDUP = 2.3
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen05b": {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    },
+    "tiny": {
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 49152,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    },
+}
+WORDS = (
+    "the of and to in is was for on as with by at from that this which are be or an have "
+    "not but all were when there can more one their has been would who will its into time "
+    "only about also new other some could these two may first then any like over such than "
+    "most made after many where through back years much before good great world own well "
+    "long same day year work life way just state part place between high under last city"
+).split()
+
+
+@dataclass
+class Setup:
+    """One benchmark configuration (sizes in sequences/tokens; batch global over ranks)."""
+
+    shape: str = "qwen05b"
+    prompt_len: int = 256
+    response_len: int = 256
+    rollout_batch: int = 128
+    micro_batch: int = 8
+    warmup: int = 1
+    steps: int = 3
+    seed: int = 0
+    model_dir: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------- prompts and task
+def fixed_length_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[str]:
+    """``n`` texts of common words, each exactly ``length`` tokens under ``tokenizer``
+    (``add_special_tokens=False``).
+
+    Raises:
+        RuntimeError: a text's tokenization does not round-trip to ``length`` tokens.
+    """
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        ids = tokenizer(
+            " ".join(rng.choice(WORDS) for _ in range(2 * length)), add_special_tokens=False
+        ).input_ids[:length]
+        text = tokenizer.decode(ids)
+        got = len(tokenizer(text, add_special_tokens=False).input_ids)
+        if got != length:
+            raise RuntimeError(f"prompt {i}: {got} tokens after a round trip, wanted {length}")
+        out.append(text)
+    return out
+
+
+@dataclass
+class _Sample:
+    prompt: str
+    question: str
+    entry: dict
+
+
+class FixedLengthTask:
+    """Stand-in for :class:`verl_ppo.data.tasks.Task` with fixed-length prompts.
+
+    ``sample(tokenizer, split, index)`` cycles over ``prompts``; ``score`` is 1.0 when the
+    completion contains the entry's answer word (a cheap rule, like reasoning-gym's).
+    """
+
+    def __init__(self, prompts: list[str], seed: int = 0) -> None:
+        rng = random.Random(seed + 1)
+        self.train = [{"question": p, "answer": rng.choice(WORDS)} for p in prompts]
+        self.eval = self.train[:1]
+        self.name = "fixed_length"
+
+    def sample(self, tokenizer: Any, split: str, index: int) -> _Sample:
+        """The ``index``-th prompt (cycled), its text used verbatim (no chat template)."""
+        ds = self.train if split == "train" else self.eval
+        e = ds[index % len(ds)]
+        return _Sample(e["question"], e["question"], e)
+
+    def score(self, completion: str, entry: dict) -> float:
+        """1.0 if ``entry["answer"]`` occurs as a word in ``completion``, else 0.0."""
+        return float(entry["answer"] in completion.split())
+
+
+# ----------------------------------------------------------------- environment helpers
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise max of ``values`` over ranks (identity without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(values)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    t = torch.tensor(values, dtype=torch.float64, device=dev or "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "deepspeed", "trl", "accelerate", "pydantic"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return out
+
+
+def _device(world: int) -> str:
+    if torch.cuda.is_available():
+        return f"{world} x {torch.cuda.get_device_name(0)}"
+    return f"cpu ({world} process{'es' if world > 1 else ''})"
+
+
+def _commit() -> str:
+    if os.environ.get("VERL_COMMIT"):
+        return os.environ["VERL_COMMIT"]
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
+    except OSError:
+        return "unknown"
+
+
+def load_tokenizer(model_dir: str | None) -> Any:
+    """SmolLM2's tokenizer from ``model_dir`` (or the packaged model), left padding,
+    pad = eos when unset (what ``verl_ppo.models.load_tokenizer`` does)."""
+    from types import SimpleNamespace
+
+    from verl_ppo.models import load_tokenizer as _load
+
+    return _load(SimpleNamespace(path=model_dir))
+
+
+def export_tokenizer(dest: str, shape: str = "qwen05b") -> Path:
+    """Write a model folder holding only ``config.json`` (the ``shape``) and SmolLM2's
+    tokenizer files (a few MB): usable as ``model.path`` with ``model.tiny`` weights."""
+    from transformers import AutoConfig
+
+    p = Path(dest)
+    p.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(None)
+    tok.save_pretrained(p)
+    fields = dict(SHAPES[shape])
+    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(p)
+    return p
+
+
+# ----------------------------------------------------------------- ours
+@contextmanager
+def _task_replaced(task: FixedLengthTask):
+    import verl_ppo.trainer as trainer_mod
+
+    saved = trainer_mod.Task
+    trainer_mod.Task = lambda *a, **k: task  # the trainer calls Task(name, train_size=...)
+    try:
+        yield
+    finally:
+        trainer_mod.Task = saved
+
+
+def _check_finite(m: dict[str, float], what: str) -> None:
+    bad = [k for k, v in m.items() if not math.isfinite(v)]
+    if bad:
+        raise RuntimeError(f"{what}: non-finite metrics {bad}")
+
+
+def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
+    """Time ``s.warmup + s.steps`` steps of :class:`verl_ppo.PPOTrainer`; returns per-step
+    dicts ``{"step_s", "phases": {name: s}, "trainer_tokens_per_s_per_gpu", ...}`` (all
+    ranks hold the same values).
+
+    Raises:
+        RuntimeError: non-finite metrics, or responses/prompts not of the fixed lengths.
+    """
+    from verl_ppo import PPOTrainer
+
+    cfg = {
+        "seed": s.seed,
+        "run_dir": run_dir,
+        "model": {"path": s.model_dir, "tiny": dict(SHAPES[s.shape])},
+        "data": {
+            "eval_size": 0,
+            "max_prompt_len": s.prompt_len,
+            "pad_prompt_to": s.prompt_len,
+        },
+        "rollout": {"max_new_tokens": s.response_len, "ignore_eos": True},
+        "train": {
+            "num_steps": s.warmup + s.steps,
+            "rollout_batch_size": s.rollout_batch,
+            "ppo_mini_batch_size": s.rollout_batch,
+            "micro_batch_size": s.micro_batch,
+            "resume": "never",
+        },
+    }
+    tok = load_tokenizer(s.model_dir)
+    task = FixedLengthTask(fixed_length_prompts(tok, s.rollout_batch, s.prompt_len, s.seed))
+    trainer = PPOTrainer(cfg, **s.overrides)
+    out = []
+    with _task_replaced(task):
+        trainer.setup()
+        world = trainer.world
+        want_tokens = s.rollout_batch * (s.prompt_len + s.response_len)
+        for step in range(s.warmup + s.steps):
+            _sync()
+            if world > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            m = trainer.train_step(step)
+            _sync()
+            (dt,) = _max_over_ranks([time.perf_counter() - t0])
+            trainer.step = step + 1
+            _check_finite(m, f"verl_ppo step {step}")
+            # ignore_eos: every response is response_len long unless EOS is sampled by
+            # chance (then the trainer masks after it); prompts are never padded.
+            if m["response/length_mean"] < 0.95 * s.response_len:
+                raise RuntimeError(
+                    f"verl_ppo step {step}: mean response length {m['response/length_mean']}"
+                    f" < 0.95 x {s.response_len}: rollout.ignore_eos not in effect?"
+                )
+            if not 0.95 * want_tokens <= m["perf/tokens"] <= want_tokens:
+                raise RuntimeError(
+                    f"verl_ppo step {step}: {m['perf/tokens']} tokens, expected ~{want_tokens}"
+                )
+            phases = {
+                k.split("/", 1)[1]: v
+                for k, v in m.items()
+                if k.startswith("timing_s/") and k != "timing_s/step"
+            }
+            out.append(
+                {
+                    "step_s": dt,
+                    "phases": phases,
+                    "trainer_tokens_per_s_per_gpu": m["perf/throughput_tokens_per_s_per_gpu"],
+                    "response_length_mean": m["response/length_mean"],
+                }
+            )
+    trainer.close()
+    return out
+
+
+# ----------------------------------------------------------------- TRL
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves stand-in modules for ``names`` (and their submodules) that are not installed.
+
+    Appended at the end of ``sys.meta_path``, so a real installation always wins. Any
+    attribute of a stand-in is a class that raises ImportError when instantiated.
+    """
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: D102
+        if fullname.split(".")[0] in self.names:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):  # noqa: D102
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:  # noqa: D102
+        name = module.__name__
+        module.__path__ = []
+
+        def _getattr(attr: str) -> Any:
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+
+            def _refuse(*a: Any, **k: Any) -> None:
+                raise ImportError(f"{name}.{attr}: {name} is not installed (stand-in module)")
+
+            return type(attr, (), {"__init__": _refuse})
+
+        module.__getattr__ = _getattr  # type: ignore[method-assign]
+
+
+def install_import_stand_ins(names: tuple[str, ...] = ("pandas", "datasets", "pyarrow")) -> list:
+    """Serve import-time stand-ins for those of ``names`` that are not installed; returns
+    the names stood in for (empty when all are installed)."""
+    missing = {n for n in names if importlib.util.find_spec(n) is None}
+    if missing:
+        sys.meta_path.append(_StandInFinder(missing))
+    return sorted(missing)
+
+
+class _ListDataset(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict[str, list[int]]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.rows[i]
+
+
+def run_trl(s: Setup, out_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Time TRL's ``trl.experimental.ppo.PPOTrainer`` on the same setup; returns the
+    per-step dicts (as :func:`run_verl`) and the stand-in module names used.
+
+    Raises:
+        RuntimeError: a generation shorter than prompt + response, or non-finite losses.
+    """
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    stand_ins = install_import_stand_ins()
+    import trl.experimental.ppo.ppo_trainer as ppo_mod
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        TrainerCallback,
+    )
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tok = load_tokenizer(s.model_dir)
+    texts = fixed_length_prompts(tok, s.rollout_batch, s.prompt_len, s.seed)
+    rows = [{"input_ids": tok(t, add_special_tokens=False).input_ids} for t in texts]
+    fields = dict(SHAPES[s.shape])
+    model_type = fields.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, pad_token_id=tok.pad_token_id, **fields)
+    torch.manual_seed(s.seed)
+    policy = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    ref = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    ref.load_state_dict(policy.state_dict())
+    value = AutoModelForSequenceClassification.from_config(cfg, num_labels=1).to(dtype)
+    rcfg = AutoConfig.for_model(model_type, pad_token_id=tok.pad_token_id, **fields)
+    rcfg.num_hidden_layers = 1
+    reward = AutoModelForSequenceClassification.from_config(rcfg, num_labels=1).to(dtype)
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = s.rollout_batch // world
+    if local * world != s.rollout_batch or local % s.micro_batch:
+        raise ValueError(
+            f"--rollout-batch {s.rollout_batch} must split into {world} ranks x a multiple of "
+            f"--micro-batch {s.micro_batch}"
+        )
+    args = PPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=s.micro_batch,
+        gradient_accumulation_steps=local // s.micro_batch,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        total_episodes=s.rollout_batch * (s.warmup + s.steps),
+        local_rollout_forward_batch_size=local,
+        response_length=s.response_len,
+        stop_token=None,
+        missing_eos_penalty=None,
+        num_sample_generations=0,
+        temperature=1.0,
+        learning_rate=1e-6,
+        gradient_checkpointing=False,
+        bf16=cuda,
+        use_cpu=not cuda,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=s.seed,
+    )
+    acc: dict[str, float] = {"gen": 0.0, "ref": 0.0, "values_reward": 0.0}
+    want_len = s.prompt_len + s.response_len
+
+    def timed(fn, key, check_len=False, only_no_grad=False):
+        def wrapper(*a, **k):
+            if only_no_grad and torch.is_grad_enabled():
+                return fn(*a, **k)
+            _sync()
+            t0 = time.perf_counter()
+            res = fn(*a, **k)
+            _sync()
+            acc[key] += time.perf_counter() - t0
+            if check_len and res[0].shape[1] != want_len:
+                raise RuntimeError(f"TRL generated {res[0].shape[1]} positions, not {want_len}")
+            return res
+
+        return wrapper
+
+    ppo_mod.batch_generation = timed(ppo_mod.batch_generation, "gen", check_len=True)
+    ppo_mod.forward = timed(ppo_mod.forward, "ref", only_no_grad=True)
+    ppo_mod.get_reward = timed(ppo_mod.get_reward, "values_reward")
+    steps: list[dict[str, Any]] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            _sync()
+            self.t = time.perf_counter()
+
+        def on_log(self, _args, state, control, logs=None, **k):
+            bad = [x for x in ("loss/policy_avg", "loss/value_avg") if not math.isfinite(logs[x])]
+            if bad:
+                raise RuntimeError(f"TRL step {state.global_step}: non-finite {bad}")
+
+        def on_step_end(self, *a, **k):
+            _sync()
+            now = time.perf_counter()
+            vals = _max_over_ranks([now - self.t, acc["gen"], acc["ref"], acc["values_reward"]])
+            phases = dict(zip(("gen", "ref", "values_reward"), vals[1:]))
+            phases["update"] = max(vals[0] - sum(vals[1:]), 0.0)
+            steps.append({"step_s": vals[0], "phases": phases})
+            for key in acc:
+                acc[key] = 0.0
+            self.t = time.perf_counter()
+
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tok,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        value_model=value,
+        train_dataset=_ListDataset(rows),
+        eval_dataset=_ListDataset(rows[: max(world, 1)]),
+        callbacks=[Clock()],
+    )
+    trainer.train()
+    if len(steps) != s.warmup + s.steps:
+        raise RuntimeError(f"TRL ran {len(steps)} steps, expected {s.warmup + s.steps}")
+    return steps, stand_ins
+
+
+# ----------------------------------------------------------------- records
+def summarize(
+    system: str, s: Setup, steps: list[dict[str, Any]], world: int, extra: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Records for the timed steps (after warm-up): tokens/s/GPU, step time, phases."""
+    timed = steps[s.warmup :]
+    step_med = statistics.median(x["step_s"] for x in timed)
+    tokens = s.rollout_batch * (s.prompt_len + s.response_len)
+    base = {
+        "benchmark": BENCH,
+        "system": system,
+        "device": _device(world),
+        "versions": _versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "world_size": world,
+        "shape": s.shape,
+        "prompt_len": s.prompt_len,
+        "response_len": s.response_len,
+        "rollout_batch": s.rollout_batch,
+        "micro_batch": s.micro_batch,
+        "warmup_steps": s.warmup,
+        "timed_steps": len(timed),
+        "overrides": s.overrides,
+        "numerics_ok": True,
+        **extra,
+    }
+    recs = [
+        {
+            **base,
+            "metric": "tokens_per_s_per_gpu",
+            "value": tokens / step_med / world,
+            "unit": "tokens/s/GPU",
+            "tokens_per_step": tokens,
+            "step_s_all": [round(x["step_s"], 4) for x in timed],
+        },
+        {**base, "metric": "step_time_s", "value": step_med, "unit": "s"},
+    ]
+    for name in timed[0]["phases"]:
+        recs.append(
+            {
+                **base,
+                "metric": "phase_time_s",
+                "phase": name,
+                "value": statistics.median(x["phases"].get(name, 0.0) for x in timed),
+                "unit": "s",
+            }
+        )
+    if "trainer_tokens_per_s_per_gpu" in timed[0]:
+        recs.append(
+            {
+                **base,
+                "metric": "trainer_tokens_per_s_per_gpu",
+                "value": statistics.median(x["trainer_tokens_per_s_per_gpu"] for x in timed),
+                "unit": "tokens/s/GPU",
+                "note": "the trainer's perf/throughput_tokens_per_s_per_gpu: non-pad tokens "
+                "over the sum of its phase times",
+            }
+        )
+    return recs
+
+
+def append_records(out: Path, recs: list[dict[str, Any]]) -> None:
+    """Append JSON lines to ``out/ppo_throughput.jsonl``."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{BENCH}.jsonl", "a") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+
+
+def write_report(out: Path) -> dict[str, Any] | None:
+    """Write ``out/ppo_throughput.md`` from the JSON lines (last record of each kind wins)
+    and append a ``speedup_vs_trl`` record when both systems were measured."""
+    path = out / f"{BENCH}.jsonl"
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    last: dict[tuple, dict[str, Any]] = {}
+    for r in recs:
+        last[(r["system"], r["metric"], r.get("phase"))] = r
+    lines = [f"# {BENCH}", ""]
+    systems = sorted({k[0] for k in last if k[1] == "tokens_per_s_per_gpu"})
+    if systems:
+        r0 = last[(systems[0], "tokens_per_s_per_gpu", None)]
+        lines += [
+            f"{r0['device']}; {r0['shape']} shape, prompt {r0['prompt_len']} + response "
+            f"{r0['response_len']} tokens, rollout batch {r0['rollout_batch']} (global), "
+            f"micro-batch {r0['micro_batch']}; median of {r0['timed_steps']} steps after "
+            f"{r0['warmup_steps']} warm-up; commit {r0['commit']}, {r0['date']}.",
+            "",
+            "| system | tokens/s/GPU | step (s) | phases: median s |",
+            "|---|---|---|---|",
+        ]
+    for sysname in systems:
+        tps = last[(sysname, "tokens_per_s_per_gpu", None)]
+        st = last[(sysname, "step_time_s", None)]
+        ph = ", ".join(
+            f"{k[2]} {v['value']:.3g}"
+            for k, v in last.items()
+            if k[0] == sysname and k[1] == "phase_time_s"
+        )
+        lines.append(f"| {sysname} | {tps['value']:.1f} | {st['value']:.3g} | {ph} |")
+    for k, r in last.items():
+        if k[1] == "skipped":
+            lines.append(f"\n{k[0]} skipped: {r['reason']}")
+    speed = None
+    if {"verl_ppo", "trl_ppo"} <= set(systems):
+        ours = last[("verl_ppo", "tokens_per_s_per_gpu", None)]
+        trl = last[("trl_ppo", "tokens_per_s_per_gpu", None)]
+        ratio = ours["value"] / trl["value"]
+        speed = {
+            **{k: ours[k] for k in ("benchmark", "device", "versions", "date", "commit")},
+            "system": "verl_ppo",
+            "metric": "speedup_vs_trl",
+            "value": ratio,
+            "unit": "x",
+            "target": TARGET_SPEEDUP,
+            "met": ratio >= TARGET_SPEEDUP,
+            "trl_stand_ins": trl.get("trl_stand_ins"),
+        }
+        append_records(out, [speed])
+        lines.append(
+            f"\nTarget ours >= {TARGET_SPEEDUP} x TRL: measured {ratio:.2f} x -> "
+            f"{'met' if speed['met'] else 'NOT met'}."
+        )
+    (out / f"{BENCH}.md").write_text("\n".join(lines) + "\n")
+    return speed
+
+
+# ----------------------------------------------------------------- CLI
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 1+1 steps, for CI")
+    p.add_argument("--system", choices=("verl_ppo", "trl_ppo", "both"), default="both")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output folder")
+    p.add_argument("--model-dir", default=None, help="config.json + tokenizer folder")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen05b")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--rollout-batch", type=int, default=128, help="sequences per step, global")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per fwd/bwd per rank")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="verl_ppo config override, e.g. actor.zero_stage=2 (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--report", action="store_true", help="only write the markdown report")
+    p.add_argument("--export-tokenizer", metavar="DIR", help="write the tokenizer folder, exit")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.shape, a.prompt_len, a.response_len = "tiny", 16, 8
+        a.rollout_batch, a.micro_batch, a.warmup, a.steps = 4, 2, 1, 1
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 = all requested systems measured)."""
+    a = _args(argv)
+    out = Path(a.out)
+    if a.export_tokenizer:
+        print(export_tokenizer(a.export_tokenizer, a.shape))
+        return 0
+    if a.report:
+        print(write_report(out))
+        return 0
+    from verl_ppo.config import parse_overrides
+
+    s = Setup(
+        shape=a.shape,
+        prompt_len=a.prompt_len,
+        response_len=a.response_len,
+        rollout_batch=a.rollout_batch,
+        micro_batch=a.micro_batch,
+        warmup=a.warmup,
+        steps=a.steps,
+        model_dir=a.model_dir,
+    )
+    systems = ["verl_ppo", "trl_ppo"] if a.system == "both" else [a.system]
+    status = 0
+    for system in systems:
+        with tempfile.TemporaryDirectory(prefix=f"{system}_") as tmp:
+            if system == "verl_ppo":
+                s.overrides = _flatten(parse_overrides(a.set))
+                steps = run_verl(s, tmp)
+                extra: dict[str, Any] = {}
+            else:
+                s.overrides = {}
+                if importlib.util.find_spec("trl") is None:
+                    reason = "trl is not installed (pip install trl==1.12.0 accelerate)"
+                    print(f"# {system} skipped: {reason}")
+                    if _rank_world()[0] == 0:
+                        append_records(out, [_skip_record(system, reason)])
+                    continue
+                steps, stand_ins = run_trl(s, tmp)
+                extra = {"trl_stand_ins": stand_ins, "trl_reward_model_layers": 1}
+        rank, world = _rank_world()
+        recs = summarize(system, s, steps, world, extra)
+        if rank == 0:
+            append_records(out, recs)
+            print(json.dumps({"system": system, "tokens_per_s_per_gpu": recs[0]["value"]}))
+    if _rank_world()[0] == 0 and (a.smoke or a.system == "both"):
+        write_report(out)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return status
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _skip_record(system: str, reason: str) -> dict[str, Any]:
+    return {
+        "benchmark": BENCH,
+        "system": system,
+        "metric": "skipped",
+        "value": None,
+        "unit": None,
+        "reason": reason,
+        "device": _device(1),
+        "versions": _versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "FixedLengthTask",
+    "Setup",
+    "export_tokenizer",
+    "fixed_length_prompts",
+    "install_import_stand_ins",
+    "run_trl",
+    "run_verl",
+    "summarize",
+    "write_report",
+]
