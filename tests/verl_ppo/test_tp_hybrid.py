@@ -56,7 +56,8 @@ def worker_hybrid(rank, world):
         hybrid = HybridEngine.build(model.config, cfg)
         ids, mask = _prompts(10 + rank, b=2 + rank, p=6 + rank)  # ranks differ in B and P
         with hybrid.rollout(model) as rm:
-            got = rm.generate(ids, mask, max_new_tokens=8, **GEN)
+            m_in = mask if kind == "qwen2" else mask.bool()  # int or bool masks
+            got = rm.generate(ids, m_in, max_new_tokens=8, **GEN)
             # sampling happens on TP index 0 and is broadcast: the other member's RNG
             # state must not matter, and both members must agree on every token
             kw = dict(

@@ -129,7 +129,7 @@ def tp_generate(
     dev = model.device
     own_p = input_ids.shape[1]
     ids, mask, mine, pmax = _gather_group_batch(
-        input_ids.to(dev), attention_mask.to(dev), model.tp, pad
+        input_ids.to(dev, torch.int64), attention_mask.to(dev, torch.int64), model.tp, pad
     )
     b = ids.shape[0]
     keys = torch.zeros((b, pmax + max_new_tokens), dtype=torch.bool, device=dev)
