@@ -7,12 +7,17 @@ under ``max_tokens_per_micro_batch``:
 - ``packed`` cost (with :mod:`verl_ppo.packing`): the sum of the valid lengths;
 - ``padded`` cost (the plain forward): ``len(micro) * max(lengths in micro)``.
 
-Algorithm: the fewest bins ``k = ceil(total / budget)`` first, then longest-processing-time
-greedy (sequences sorted by length, descending, ties by index; each goes to the bin whose
-cost after adding it is lowest among those where it fits); when one does not fit in any
-bin, ``k`` grows by one and the assignment restarts. This is the balanced partition verl
-uses for ``use_dynamic_bsz`` (``verl/utils/seqlen_balancing.py``, there with
-Karmarkar-Karp), kept deterministic: same lengths in, same micro-batches out, on every rank.
+Algorithm (sequences sorted by length, descending, ties by index, so the result is
+deterministic: same lengths in, same micro-batches out, on every rank):
+
+- ``packed``: the fewest bins ``k = ceil(total / budget)`` first, then
+  longest-processing-time greedy (each sequence goes to the least-loaded bin where it fits);
+  when one fits nowhere, ``k`` grows by one and the assignment restarts. Loads end within
+  one sequence of each other. This is the balanced partition verl uses for
+  ``use_dynamic_bsz`` (``verl/utils/seqlen_balancing.py``, there with Karmarkar-Karp).
+- ``padded``: consecutive runs of the sorted order, each as long as the budget allows
+  (``count * longest <= budget``): similar lengths share a micro-batch, which minimises
+  the padding computed.
 
 Loss weights (:func:`micro_batch_weights`) make the accumulated loss equal to the loss of the
 whole batch: for ``token-mean`` a micro-batch's mean over its tokens is weighted by its
@@ -50,6 +55,20 @@ def _assign(order: list[int], lengths: list[int], k: int, budget: int, mode: str
         total[best] += n
         longest[best] = max(longest[best], n)
     return bins
+
+
+def _padded_runs(order: list[int], lens: list[int], budget: int, min_bins: int):
+    bins: list[list[int]] = []
+    for i in order:  # descending: the first of a run is its longest
+        if bins and (len(bins[-1]) + 1) * max(lens[bins[-1][0]], 1) <= budget:
+            bins[-1].append(i)
+        else:
+            bins.append([i])
+    while len(bins) < min(min_bins, len(lens)):  # split the most populous run in two
+        j = max(range(len(bins)), key=lambda b: (len(bins[b]), -b))
+        run = bins.pop(j)
+        bins[j:j] = [run[: len(run) // 2], run[len(run) // 2 :]]
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
 def token_budget_micro_batches(
@@ -94,6 +113,8 @@ def token_budget_micro_batches(
             f"{max_tokens_per_micro_batch}; set it to at least {worst}"
         )
     order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    if mode == "padded":
+        return _padded_runs(order, lens, max_tokens_per_micro_batch, min_micro_batches)
     k = max(math.ceil(sum(lens) / max_tokens_per_micro_batch), min_micro_batches, 1)
     k = min(k, len(lens))
     while True:
