@@ -113,12 +113,8 @@ def _zero3_deepspeed(rank, world):
     ds_cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
     partitioned = all(p.numel() == 0 for p in engine.module.parameters())
-    cfg = HybridEngineConfig(
-        enable=True,
-        rollout_sharding={"tensor_parallel_size": 2},
-        training_sharding={"zero_stage": 3},
-    )
-    hybrid = HybridEngine.build(ref.config, cfg)
+    cfg = HybridEngineConfig(enable=True, rollout_sharding={"tensor_parallel_size": 2})
+    hybrid = HybridEngine.build(ref.config, cfg, zero_stage=3)  # stage from the DeepSpeed config
     ids, mask = _prompts(20 + rank)
     with hybrid.rollout(engine) as rm:
         got = rm.generate(ids, mask, max_new_tokens=6, **GEN)

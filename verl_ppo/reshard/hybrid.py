@@ -85,6 +85,7 @@ class HybridEngine:
         hybrid_cfg: HybridEngineConfig,
         world_group: dist.ProcessGroup | None = None,
         recorder: CommRecorder | None = None,
+        zero_stage: int | None = None,
     ) -> HybridEngine:
         """Validate the layouts against the world and the model, plan, create TP groups.
 
@@ -93,11 +94,17 @@ class HybridEngine:
             hybrid_cfg: ``actor.model_config.hybrid_engine``.
             world_group: group of all ranks (None = WORLD).
             recorder: optional comm telemetry for the executor.
+            zero_stage: the DeepSpeed ZeRO stage the actor really runs with; overrides
+                ``training_sharding.zero_stage`` when given (so it is written once, in the
+                DeepSpeed config).
 
         Raises:
             ValueError: a layout that does not fit (raised before any communication).
         """
         world = dist.get_world_size(world_group) if dist.is_initialized() else 1
+        if zero_stage is not None:
+            ts = hybrid_cfg.training_sharding.model_copy(update={"zero_stage": zero_stage})
+            hybrid_cfg = hybrid_cfg.model_copy(update={"training_sharding": ts})
         train, rollout = hybrid_cfg.layouts(world)
         engine = ReshardEngine(
             model_config,
