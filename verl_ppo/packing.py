@@ -7,9 +7,9 @@ of ``P`` columns, then a response right-padded after EOS. Padded, a forward pass
 ``position_ids`` restart at 0 for each sequence; the model is called with
 ``attention_mask=None`` and these ``position_ids``.
 
-How attention is kept inside each sequence (checked on transformers 5.24 here and the
-same code path in 5.17): ``masking_utils._preprocess_mask_arguments`` calls
-``find_packed_sequence_indices(position_ids)`` when the 2D mask is ``None`` and there is no
+How attention is kept inside each sequence (read in transformers 5.24; the tests pass on
+5.24 and on 5.17, the GPU machine's version): ``masking_utils._preprocess_mask_arguments``
+calls ``find_packed_sequence_indices(position_ids)`` when the 2D mask is ``None`` and there is no
 cache; every position that does not follow its predecessor by +1 starts a new sequence,
 and the causal mask is AND-ed with "same sequence" (sdpa / eager / flex build a
 block-diagonal causal mask; flash-attention uses the same ``position_ids`` to call its
