@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 COST_MODES = ("packed", "padded")
 
@@ -163,3 +165,49 @@ def padding_efficiency(lengths: Sequence[int], micro_batches: list[list[int]]) -
     """Valid tokens / padded tokens computed when each micro-batch is padded to its longest."""
     padded = sum(len(mb) * max(lengths[i] for i in mb) for mb in micro_batches if mb)
     return sum(lengths[i] for mb in micro_batches for i in mb) / max(padded, 1)
+
+
+def plan_micro_batches(
+    lengths: torch.Tensor,
+    max_tokens_per_micro_batch: int,
+    mode: str = "packed",
+    group: Any = None,
+) -> list[list[int]]:
+    """:func:`token_budget_micro_batches` with the same number of micro-batches on every rank.
+
+    Each rank plans its own sequences, then the counts are all-reduced (MAX) over ``group``
+    and ranks with fewer split further (``min_micro_batches``). Equal counts keep DeepSpeed's
+    per-micro-batch collectives (ZeRO-2 reduces buckets on every backward) in lockstep.
+    Collective when a process group is initialised: every rank of ``group`` must call it.
+
+    Args:
+        lengths: ``(B,)`` valid tokens per local sequence (on the device the group uses).
+        max_tokens_per_micro_batch, mode: as in :func:`token_budget_micro_batches`.
+        group: data-parallel process group (None = WORLD).
+
+    Returns:
+        This rank's micro-batches (index lists into ``lengths``).
+
+    Raises:
+        ValueError: as :func:`token_budget_micro_batches`, or the agreed count exceeds this
+            rank's ``B`` (ranks hold different batch sizes; give every rank the same ``B``).
+    """
+    plan = token_budget_micro_batches(lengths, max_tokens_per_micro_batch, mode)
+    if not (dist.is_available() and dist.is_initialized()):
+        return plan
+    while True:  # counts only grow and are bounded by B: at most a few rounds
+        n = [len(plan), -len(plan), -len(lengths)]
+        n = torch.tensor(n, dtype=torch.int64, device=lengths.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+        k, k_min, b_min = int(n[0]), -int(n[1]), -int(n[2])
+        if k == k_min:
+            return plan
+        if k > b_min:  # every rank sees the same numbers, so all raise together
+            raise ValueError(
+                f"a rank needs {k} micro-batches but another holds only {b_min} sequences; "
+                "give every rank the same number of sequences"
+            )
+        if len(plan) < k:
+            plan = token_budget_micro_batches(
+                lengths, max_tokens_per_micro_batch, mode, min_micro_batches=k
+            )

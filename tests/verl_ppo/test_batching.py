@@ -7,7 +7,12 @@ import random
 import pytest
 import torch
 
-from verl_ppo.batching import micro_batch_weights, padding_efficiency, token_budget_micro_batches
+from verl_ppo.batching import (
+    micro_batch_weights,
+    padding_efficiency,
+    plan_micro_batches,
+    token_budget_micro_batches,
+)
 
 
 def _lengths(n: int, seed: int) -> list[int]:
@@ -81,3 +86,51 @@ def test_weights_make_accumulated_loss_exact(agg):
     torch.testing.assert_close(total, loss(torch.arange(B)), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         micro_batch_weights(mbs, mask, "sum")
+
+
+def _plan_worker(rank: int, port: int, q) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=__import__("datetime").timedelta(seconds=60),
+    )
+    try:
+        # rank 0: short sequences (1 micro-batch alone), rank 1: long ones (several)
+        lens = torch.tensor([10, 12, 9, 11] if rank == 0 else [90, 95, 80, 85])
+        out = {}
+        for mode in ("packed", "padded"):
+            out[mode] = plan_micro_batches(lens, 200, mode)
+        q.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_plan_micro_batches_same_count_on_every_rank():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_plan_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = dict(q.get(timeout=90) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for mode in ("packed", "padded"):
+        a, b = res[0][mode], res[1][mode]
+        assert len(a) == len(b) >= 2
+        for plan in (a, b):
+            assert sorted(sum(plan, [])) == [0, 1, 2, 3]
+    # alone, outside a process group, rank 0's batch needs one micro-batch
+    assert plan_micro_batches(torch.tensor([10, 12, 9, 11]), 200) == [[0, 1, 2, 3]]
