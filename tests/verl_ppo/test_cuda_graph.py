@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from verl_ppo.rollout.cuda_graph import StaticCacheDecoder
+from verl_ppo.rollout.cuda_graph import StaticCacheDecoder, decoder_for
 from verl_ppo.rollout.generate import generate
 
 pytestmark = pytest.mark.timeout(120)
@@ -153,3 +153,13 @@ def test_cuda_graph_recaptures_when_parameters_move():
         for p in m.parameters():
             p.data = p.data * 1.5  # new storage
     assert torch.equal(graph.generate(ids, mask, **kw), generate(m, ids, mask, **kw))
+
+
+def test_decoder_for_reuses_until_it_outgrows():
+    m = _model("llama")
+    d1 = decoder_for(None, m, prompt_len=6, max_new_tokens=10, use_cuda_graph=False)
+    assert d1.max_seq_len == 64
+    assert decoder_for(d1, m, 40, 24, False) is d1
+    d2 = decoder_for(d1, m, 40, 25, False)
+    assert d2 is not d1 and d2.max_seq_len == 128
+    assert decoder_for(d2, _model("llama"), 6, 10, False) is not d2  # another model

@@ -287,3 +287,31 @@ class StaticCacheDecoder:
             first = is_eos.long().argmax(-1)
             out = out[:, : int(first.max()) + 1]
         return torch.cat([input_ids, out], dim=1)
+
+
+def decoder_for(
+    current: StaticCacheDecoder | None,
+    model: torch.nn.Module,
+    prompt_len: int,
+    max_new_tokens: int,
+    use_cuda_graph: bool,
+    round_to: int = 64,
+) -> StaticCacheDecoder:
+    """``current`` if it serves ``model`` and has room for ``prompt_len + max_new_tokens``,
+    else a new decoder with that length rounded up to ``round_to`` (fewer re-captures when
+    prompt lengths vary). The trainer keeps the returned object between steps.
+
+    Raises:
+        ValueError / RuntimeError: as :class:`StaticCacheDecoder`.
+    """
+    need = prompt_len + max_new_tokens
+    inner = getattr(model, "module", model)
+    if (
+        current is not None
+        and current.model is inner
+        and current.max_seq_len >= need
+        and current.use_cuda_graph == use_cuda_graph
+    ):
+        return current
+    cap = -(-need // round_to) * round_to
+    return StaticCacheDecoder(model, max_seq_len=cap, use_cuda_graph=use_cuda_graph)
