@@ -439,10 +439,15 @@ def run_trl(s: Setup, out_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
     policy = AutoModelForCausalLM.from_config(cfg).to(dtype)
     ref = AutoModelForCausalLM.from_config(cfg).to(dtype)
     ref.load_state_dict(policy.state_dict())
-    value = AutoModelForSequenceClassification.from_config(cfg, num_labels=1).to(dtype)
-    rcfg = AutoConfig.for_model(model_type, pad_token_id=tok.pad_token_id, **fields)
-    rcfg.num_hidden_layers = 1
-    reward = AutoModelForSequenceClassification.from_config(rcfg, num_labels=1).to(dtype)
+    vcfg = AutoConfig.for_model(model_type, pad_token_id=tok.pad_token_id, num_labels=1, **fields)
+    value = AutoModelForSequenceClassification.from_config(vcfg).to(dtype)
+    # The reward model: 1 layer, so its forward costs little (own config object: models
+    # keep a reference to theirs).
+    rfields = {**fields, "num_hidden_layers": 1}
+    rcfg = AutoConfig.for_model(model_type, pad_token_id=tok.pad_token_id, num_labels=1, **rfields)
+    reward = AutoModelForSequenceClassification.from_config(rcfg).to(dtype)
+    if len(value.model.layers) != fields["num_hidden_layers"] or value.config is rcfg:
+        raise RuntimeError("TRL value model does not have the policy's depth")
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = s.rollout_batch // world
@@ -503,7 +508,11 @@ def run_trl(s: Setup, out_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
             self.t = time.perf_counter()
 
         def on_log(self, _args, state, control, logs=None, **k):
-            bad = [x for x in ("loss/policy_avg", "loss/value_avg") if not math.isfinite(logs[x])]
+            bad = [
+                x
+                for x in ("loss/policy_avg", "loss/value_avg")
+                if not math.isfinite(float(logs[x]))
+            ]
             if bad:
                 raise RuntimeError(f"TRL step {state.global_step}: non-finite {bad}")
 
@@ -559,6 +568,7 @@ def summarize(
         "warmup_steps": s.warmup,
         "timed_steps": len(timed),
         "overrides": s.overrides,
+        "variant": _variant(s.overrides),
         "numerics_ok": True,
         **extra,
     }
@@ -605,47 +615,55 @@ def append_records(out: Path, recs: list[dict[str, Any]]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def _variant(overrides: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "default"
+
+
 def write_report(out: Path) -> dict[str, Any] | None:
-    """Write ``out/ppo_throughput.md`` from the JSON lines (last record of each kind wins)
-    and append a ``speedup_vs_trl`` record when both systems were measured."""
-    path = out / f"{BENCH}.jsonl"
-    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    """Write ``out/ppo_throughput.md`` from the JSON lines (the last record of each system,
+    variant, metric and phase wins) and append a ``speedup_vs_trl`` record (ours with
+    default settings over TRL) when both were measured; returns that record or None."""
+    recs = [json.loads(x) for x in (out / f"{BENCH}.jsonl").read_text().splitlines() if x]
     last: dict[tuple, dict[str, Any]] = {}
     for r in recs:
-        last[(r["system"], r["metric"], r.get("phase"))] = r
+        if r["metric"] != "speedup_vs_trl":
+            last[(r["system"], r.get("variant", "default"), r["metric"], r.get("phase"))] = r
+    rows = sorted({k[:2] for k in last if k[2] == "tokens_per_s_per_gpu"})
     lines = [f"# {BENCH}", ""]
-    systems = sorted({k[0] for k in last if k[1] == "tokens_per_s_per_gpu"})
-    if systems:
-        r0 = last[(systems[0], "tokens_per_s_per_gpu", None)]
+    if rows:
+        r0 = last[(*rows[0], "tokens_per_s_per_gpu", None)]
         lines += [
-            f"{r0['device']}; {r0['shape']} shape, prompt {r0['prompt_len']} + response "
-            f"{r0['response_len']} tokens, rollout batch {r0['rollout_batch']} (global), "
-            f"micro-batch {r0['micro_batch']}; median of {r0['timed_steps']} steps after "
-            f"{r0['warmup_steps']} warm-up; commit {r0['commit']}, {r0['date']}.",
+            f"{r0['device']}; {r0['shape']} shape (random weights), prompt {r0['prompt_len']}"
+            f" + response {r0['response_len']} tokens, rollout batch {r0['rollout_batch']} "
+            f"(global), micro-batch {r0['micro_batch']} per rank; median of "
+            f"{r0['timed_steps']} steps after {r0['warmup_steps']} warm-up. tokens/s/GPU = "
+            "batch x (prompt + response) / step time / GPUs.",
             "",
-            "| system | tokens/s/GPU | step (s) | phases: median s |",
-            "|---|---|---|---|",
+            "| system | variant | tokens/s/GPU | step (s) | phases: median s | commit, date |",
+            "|---|---|---|---|---|---|",
         ]
-    for sysname in systems:
-        tps = last[(sysname, "tokens_per_s_per_gpu", None)]
-        st = last[(sysname, "step_time_s", None)]
+    for row in rows:
+        tps = last[(*row, "tokens_per_s_per_gpu", None)]
+        st = last[(*row, "step_time_s", None)]
         ph = ", ".join(
-            f"{k[2]} {v['value']:.3g}"
-            for k, v in last.items()
-            if k[0] == sysname and k[1] == "phase_time_s"
+            f"{k[3]} {v['value']:.3g}" for k, v in last.items() if k[:3] == (*row, "phase_time_s")
         )
-        lines.append(f"| {sysname} | {tps['value']:.1f} | {st['value']:.3g} | {ph} |")
+        lines.append(
+            f"| {row[0]} | {row[1]} | {tps['value']:.1f} | {st['value']:.3g} | {ph} | "
+            f"{tps['commit']}, {tps['date']} |"
+        )
     for k, r in last.items():
-        if k[1] == "skipped":
+        if k[2] == "skipped":
             lines.append(f"\n{k[0]} skipped: {r['reason']}")
     speed = None
-    if {"verl_ppo", "trl_ppo"} <= set(systems):
-        ours = last[("verl_ppo", "tokens_per_s_per_gpu", None)]
-        trl = last[("trl_ppo", "tokens_per_s_per_gpu", None)]
+    if {("verl_ppo", "default"), ("trl_ppo", "default")} <= set(rows):
+        ours = last[("verl_ppo", "default", "tokens_per_s_per_gpu", None)]
+        trl = last[("trl_ppo", "default", "tokens_per_s_per_gpu", None)]
         ratio = ours["value"] / trl["value"]
         speed = {
             **{k: ours[k] for k in ("benchmark", "device", "versions", "date", "commit")},
             "system": "verl_ppo",
+            "variant": "default",
             "metric": "speedup_vs_trl",
             "value": ratio,
             "unit": "x",
@@ -655,9 +673,14 @@ def write_report(out: Path) -> dict[str, Any] | None:
         }
         append_records(out, [speed])
         lines.append(
-            f"\nTarget ours >= {TARGET_SPEEDUP} x TRL: measured {ratio:.2f} x -> "
-            f"{'met' if speed['met'] else 'NOT met'}."
+            f"\nTarget ours >= {TARGET_SPEEDUP} x TRL (tokens/s/GPU, default settings): "
+            f"measured {ratio:.2f} x -> {'met' if speed['met'] else 'NOT met'}."
         )
+        if trl.get("trl_stand_ins"):
+            lines.append(
+                f"TRL {trl['versions'].get('trl')} ran with import-time stand-ins for "
+                f"{', '.join(trl['trl_stand_ins'])} (not installed; unused by its PPO loop)."
+            )
     (out / f"{BENCH}.md").write_text("\n".join(lines) + "\n")
     return speed
 

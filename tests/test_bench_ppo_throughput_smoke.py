@@ -1,0 +1,113 @@
+"""``benchmarks/ppo_throughput.py``: the CPU smoke run (CI) and its pure helpers."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "ppo_throughput_bench", REPO / "benchmarks" / "ppo_throughput.py"
+)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench  # dataclasses look their module up
+_spec.loader.exec_module(bench)
+
+
+@pytest.mark.timeout(300)
+def test_ppo_throughput_smoke(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "ppo_throughput.py"), "--smoke", "--out",
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=280, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    recs = [json.loads(x) for x in (tmp_path / "ppo_throughput.jsonl").read_text().splitlines()]
+    ours = {(r["metric"], r.get("phase")): r for r in recs if r["system"] == "verl_ppo"}
+    tps = ours[("tokens_per_s_per_gpu", None)]
+    step = ours[("step_time_s", None)]
+    assert tps["benchmark"] == "ppo_throughput" and tps["unit"] == "tokens/s/GPU"
+    assert tps["numerics_ok"] and tps["device"].startswith("cpu") and tps["commit"] and tps["date"]
+    assert {"torch", "transformers", "deepspeed"} <= set(tps["versions"])
+    assert tps["tokens_per_step"] == 4 * (16 + 8) and tps["timed_steps"] == 1
+    # tokens/s/GPU is exactly batch x (prompt + response) / median step / world
+    assert tps["value"] == pytest.approx(tps["tokens_per_step"] / step["value"])
+    phases = {k[1]: r["value"] for k, r in ours.items() if k[0] == "phase_time_s"}
+    assert {"gen", "old_log_prob", "ref", "values", "update_critic", "update_actor"} <= set(phases)
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= step["value"] * 1.01
+    trl = [r for r in recs if r["system"] == "trl_ppo"]
+    if importlib.util.find_spec("trl") is None:
+        assert [r["metric"] for r in trl] == ["skipped"] and "trl" in trl[0]["reason"]
+    else:
+        assert {r["metric"] for r in trl} >= {"tokens_per_s_per_gpu", "phase_time_s"}
+    md = (tmp_path / "ppo_throughput.md").read_text()
+    assert "| verl_ppo | default |" in md and "tokens/s/GPU" in md
+
+
+def test_fixed_length_prompts_are_exact_and_task_scores():
+    from types import SimpleNamespace
+
+    from verl_ppo.models import load_tokenizer
+
+    tok = load_tokenizer(SimpleNamespace(path=None))
+    texts = bench.fixed_length_prompts(tok, 3, 37, seed=1)
+    lengths = [len(tok(t, add_special_tokens=False).input_ids) for t in texts]
+    assert lengths == [37, 37, 37] and len(set(texts)) == 3
+    enc = tok(texts, return_tensors="pt", padding="max_length", max_length=37,
+              add_special_tokens=False)  # fmt: skip
+    assert bool(enc.attention_mask.all())  # no padding needed: the trainer sees 37 real tokens
+    task = bench.FixedLengthTask(texts)
+    s = task.sample(tok, "train", 4)
+    assert s.prompt == texts[1] and s.entry["question"] == texts[1]
+    assert task.score(f"x {s.entry['answer']} y", s.entry) == 1.0
+    assert task.score("x" + s.entry["answer"], s.entry) == 0.0
+
+
+def test_import_stand_ins_only_for_missing_modules():
+    missing = "verl_bench_absent_pkg"
+    finder_count = len(sys.meta_path)
+    try:
+        assert bench.install_import_stand_ins((missing, "json")) == [missing]
+        mod = importlib.import_module(f"{missing}.sub.deeper")
+        cls = mod.Anything
+        assert isinstance(cls, type) and not isinstance(object(), cls)
+        with pytest.raises(ImportError, match="stand-in"):
+            cls()
+        assert importlib.import_module("json") is json  # installed: never stood in
+    finally:
+        del sys.meta_path[finder_count:]
+        for name in [m for m in sys.modules if m.split(".")[0] == missing]:
+            del sys.modules[name]
+
+
+def _rec(system, metric, value, phase=None):
+    r = {"benchmark": "ppo_throughput", "system": system, "metric": metric, "value": value,
+         "unit": "x", "device": "2 x H200", "versions": {"trl": "1.12.0"}, "date": "d",
+         "commit": "c", "variant": "default", "shape": "qwen05b", "prompt_len": 256,
+         "response_len": 256, "rollout_batch": 128, "micro_batch": 8, "timed_steps": 3,
+         "warmup_steps": 1, "trl_stand_ins": ["pandas"]}  # fmt: skip
+    if phase:
+        r["phase"] = phase
+    return r
+
+
+@pytest.mark.parametrize("ours,met", [(2400.0, True), (2200.0, False)])
+def test_report_speedup_against_target(tmp_path, ours, met):
+    recs = [
+        _rec("verl_ppo", "tokens_per_s_per_gpu", 9999.0),  # superseded by the later record
+        _rec("verl_ppo", "tokens_per_s_per_gpu", ours),
+        _rec("verl_ppo", "step_time_s", 1.0),
+        _rec("verl_ppo", "phase_time_s", 0.5, "gen"),
+        _rec("trl_ppo", "tokens_per_s_per_gpu", 1000.0),
+        _rec("trl_ppo", "step_time_s", 2.0),
+    ]
+    bench.append_records(tmp_path, recs)
+    speed = bench.write_report(tmp_path)
+    assert speed["value"] == pytest.approx(ours / 1000.0) and speed["met"] is met
+    last = json.loads((tmp_path / "ppo_throughput.jsonl").read_text().splitlines()[-1])
+    assert last["metric"] == "speedup_vs_trl" and last["target"] == 2.3
+    md = (tmp_path / "ppo_throughput.md").read_text()
+    assert ("-> met" in md) is met and "gen 0.5" in md and "stand-ins for pandas" in md
