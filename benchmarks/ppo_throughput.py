@@ -358,8 +358,9 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves stand-in modules for ``names`` (and their submodules) that are not installed.
 
-    Appended at the end of ``sys.meta_path``, so a real installation always wins. Any
-    attribute of a stand-in is a class that raises ImportError when instantiated.
+    Only names that failed to import are served (first in ``sys.meta_path``, so that a
+    broken installation is not half-used). Any attribute of a stand-in is a class that
+    raises ImportError when instantiated.
     """
 
     def __init__(self, names: set[str]) -> None:
@@ -390,11 +391,22 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install_import_stand_ins(names: tuple[str, ...] = ("pandas", "datasets", "pyarrow")) -> list:
-    """Serve import-time stand-ins for those of ``names`` that are not installed; returns
-    the names stood in for (empty when all are installed)."""
-    missing = {n for n in names if importlib.util.find_spec(n) is None}
+    """Serve import-time stand-ins for those of ``names`` that cannot be imported (absent, or
+    installed without their own dependencies); returns the names stood in for (empty when
+    all import). Modules that import are never replaced."""
+    missing = set()
+    for n in names:
+        if importlib.util.find_spec(n) is None:
+            missing.add(n)
+            continue
+        try:
+            importlib.import_module(n)
+        except Exception:  # noqa: BLE001 - any failure: unusable here
+            missing.add(n)
+            for m in [m for m in sys.modules if m.split(".")[0] == n]:
+                del sys.modules[m]
     if missing:
-        sys.meta_path.append(_StandInFinder(missing))
+        sys.meta_path.insert(0, _StandInFinder(missing))
     return sorted(missing)
 
 
@@ -740,8 +752,13 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix=f"{system}_") as tmp:
             if system == "verl_ppo":
                 s.overrides = _flatten(parse_overrides(a.set))
+                env = dict(os.environ)
                 steps = run_verl(s, tmp)
                 extra: dict[str, Any] = {}
+                # Outside torchrun the trainer sets RANK/MASTER_PORT/... for its own one-rank
+                # group (destroyed by close()); TRL must not try to join that one.
+                for k in set(os.environ) - set(env):
+                    del os.environ[k]
             else:
                 s.overrides = {}
                 if importlib.util.find_spec("trl") is None:

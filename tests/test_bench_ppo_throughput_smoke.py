@@ -66,20 +66,26 @@ def test_fixed_length_prompts_are_exact_and_task_scores():
     assert task.score("x" + s.entry["answer"], s.entry) == 0.0
 
 
-def test_import_stand_ins_only_for_missing_modules():
-    missing = "verl_bench_absent_pkg"
-    finder_count = len(sys.meta_path)
+def test_import_stand_ins_only_for_unimportable_modules(tmp_path, monkeypatch):
+    missing, broken = "verl_bench_absent_pkg", "verl_bench_broken_pkg"
+    (tmp_path / broken).mkdir()
+    (tmp_path / broken / "__init__.py").write_text("import verl_bench_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved = list(sys.meta_path)
     try:
-        assert bench.install_import_stand_ins((missing, "json")) == [missing]
+        assert bench.install_import_stand_ins((missing, broken, "json")) == sorted(
+            [missing, broken]
+        )
         mod = importlib.import_module(f"{missing}.sub.deeper")
         cls = mod.Anything
         assert isinstance(cls, type) and not isinstance(object(), cls)
         with pytest.raises(ImportError, match="stand-in"):
             cls()
-        assert importlib.import_module("json") is json  # installed: never stood in
+        assert importlib.import_module(broken).X.__name__ == "X"  # broken install replaced
+        assert importlib.import_module("json") is json  # importable: never stood in
     finally:
-        del sys.meta_path[finder_count:]
-        for name in [m for m in sys.modules if m.split(".")[0] == missing]:
+        sys.meta_path[:] = saved
+        for name in [m for m in sys.modules if m.split(".")[0] in (missing, broken)]:
             del sys.modules[name]
 
 
