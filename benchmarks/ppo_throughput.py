@@ -23,8 +23,10 @@ Protocol (issue 8, "GPU throughput, side by side"):
   reported. tokens/s/GPU = rollout batch x (prompt + response) / median step time / GPUs.
   Phase breakdown: ours from the trainer's ``timing_s/*`` (CUDA-synchronized phases); TRL
   from wrappers (synchronized) around its module functions ``batch_generation`` (gen),
-  ``forward`` without grad (ref) and ``get_reward`` (values + reward); ``update`` = step
-  minus those (PPO update of policy and value, GAE, logging).
+  ``forward`` without grad (ref) and ``get_reward`` (values + reward);
+  ``update_and_other`` = step minus those (log-probs from the generation scores, GAE, the
+  PPO update of policy and value, TRL's logging and cache emptying). TRL computes the old
+  log-probs from its generation logits; ours runs a separate ``old_log_prob`` forward.
 * Each system runs in its own launch (``torchrun --nproc_per_node=2``): separate processes
   so that neither inherits the other's allocator state or process group.
 
@@ -533,7 +535,7 @@ def run_trl(s: Setup, out_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
             now = time.perf_counter()
             vals = _max_over_ranks([now - self.t, acc["gen"], acc["ref"], acc["values_reward"]])
             phases = dict(zip(("gen", "ref", "values_reward"), vals[1:]))
-            phases["update"] = max(vals[0] - sum(vals[1:]), 0.0)
+            phases["update_and_other"] = max(vals[0] - sum(vals[1:]), 0.0)
             steps.append({"step_s": vals[0], "phases": phases})
             for key in acc:
                 acc[key] = 0.0
