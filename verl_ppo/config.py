@@ -28,13 +28,7 @@ from pydantic import (
 )
 
 from verl_comm.compression.config import CompressionConfig
-
-try:
-    from verl_ppo.reshard.config import HybridEngineConfig
-except ImportError:  # TEMP-SHIM until verl_ppo.reshard.config lands
-
-    class HybridEngineConfig(BaseModel):  # type: ignore[no-redef]
-        enable: bool = False
+from verl_ppo.reshard.config import HybridEngineConfig
 
 
 class ConfigError(ValueError):
@@ -100,6 +94,12 @@ class RolloutConfig(_Strict):
         False, description="always generate max_new_tokens (fixed-length benchmarks)"
     )
     use_cuda_graph: bool = Field(False, description="capture decode steps as CUDA graphs (GPU)")
+    micro_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="sequences per generation call; the reward of micro-batch i is scored "
+        "asynchronously while micro-batch i+1 generates (None = the whole local batch)",
+    )
 
 
 class KLConfig(_Strict):
@@ -179,6 +179,12 @@ class TrainConfig(_Strict):
     eval_interval: int = Field(0, ge=0, description="steps between evals; 0 = start and end only")
     save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0 = end only")
     resume: Literal["auto", "never"] = Field("auto", description="resume from run_dir's latest")
+    sequence_packing: bool = Field(
+        False, description="pack valid tokens of a micro-batch into one row (no compute on padding)"
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="dynamic micro-batches by token budget; None = micro_batch_size"
+    )
 
 
 class CommConfig(_Strict):
@@ -200,6 +206,20 @@ class ProfilerConfig(_Strict):
     record_memory: bool = Field(True, description="allocated/reserved over time, peak per phase")
     record_communication: bool = Field(True, description="collectives of hooks/reducer/reshard")
     torch_profiler: bool = Field(True, description="also run torch.profiler (Chrome traces)")
+
+
+class RewardConfig(_Strict):
+    """How responses are scored."""
+
+    model: str = Field(
+        "rule",
+        description="rule (the task's reasoning-gym scorer), minilm, a HF folder, or the URL "
+        "of a `verl-ppo reward-server`",
+    )
+    cache_entries: int = Field(
+        0, ge=0, description="LRU cache keyed by the exact prompt+response tokens; 0 = off"
+    )
+    async_scoring: bool = Field(True, description="score micro-batch i while i+1 generates")
 
 
 class MonitorConfig(_Strict):
@@ -226,6 +246,7 @@ class PPOConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 

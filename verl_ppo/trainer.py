@@ -10,6 +10,7 @@ averaged over ranks and written by rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import time
@@ -113,6 +114,11 @@ class PPOTrainer:
             overrides=cfg.data.task_kwargs,
         )
         self.reward_model = self._build_reward()
+        self.scorer = None
+        if cfg.reward.async_scoring:
+            from verl_ppo.reward.async_scorer import AsyncRewardScorer
+
+            self.scorer = AsyncRewardScorer(self.reward_model, max_workers=1)
 
         policy = build_policy(cfg.model, self.tokenizer, self.dtype, cfg.seed).to(self.device)
         if cfg.model.gradient_checkpointing:
@@ -139,11 +145,17 @@ class PPOTrainer:
             betas=a_cfg.optim.betas,
         )
         actor_strategy.init(policy)
+        packing, budget = cfg.train.sequence_packing, cfg.train.max_tokens_per_micro_batch
         self.actor = Actor(
-            actor_strategy, cfg.algorithm, self.d.local_micro_batch_size, cfg.rollout.temperature
+            actor_strategy,
+            cfg.algorithm,
+            self.d.local_micro_batch_size,
+            cfg.rollout.temperature,
+            packing=packing,
+            max_tokens_per_micro_batch=budget,
         )
         self.reference = Reference(
-            ref_model, self.d.local_micro_batch_size, cfg.rollout.temperature
+            ref_model, self.d.local_micro_batch_size, cfg.rollout.temperature, packing=packing
         )
         self.engines: dict[str, DeepSpeedStrategy] = {"actor": actor_strategy}
         self.critic: Critic | None = None
@@ -162,9 +174,36 @@ class PPOTrainer:
                 betas=c_cfg.optim.betas,
             )
             critic_strategy.init(value_model)
-            self.critic = Critic(critic_strategy, cfg.algorithm, self.d.local_micro_batch_size)
+            self.critic = Critic(
+                critic_strategy,
+                cfg.algorithm,
+                self.d.local_micro_batch_size,
+                packing=packing,
+                max_tokens_per_micro_batch=budget,
+            )
             self.engines["critic"] = critic_strategy
         self._attach_grad_comm()
+        self.hybrid = None
+        he = cfg.actor.model_config_.hybrid_engine
+        if he.enable:
+            from verl_ppo.reshard.hybrid import HybridEngine
+
+            self.hybrid = HybridEngine.build(
+                policy.config, he, recorder=self.recorder, zero_stage=cfg.actor.zero_stage
+            )
+        self._decoder = None
+        self.monitor = None
+        if cfg.monitor.prometheus_port is not None:
+            from verl_ppo.monitor import PrometheusMonitor
+
+            self.monitor = PrometheusMonitor(
+                cfg.monitor.prometheus_port,
+                cfg.monitor.prometheus_host,
+                rank=self.rank,
+                device=self.device,
+            )
+            if self.rank == 0:
+                self.log.info("prometheus metrics on %s", self.monitor.url)
         kl = cfg.algorithm.kl
         self.kl_ctrl = make_kl_controller(kl.controller, kl.kl_coef, kl.target_kl, kl.horizon)
         self.ckpt = CheckpointManager(cfg.run_dir, self.rank)
@@ -174,9 +213,20 @@ class PPOTrainer:
         self._ready = True
 
     def _build_reward(self) -> Any:
+        """The reward model of ``reward.model`` (rule scorer of the task by default), wrapped in
+        the exact-key LRU cache when ``reward.cache_entries`` > 0."""
+        from verl_ppo.reward import build_reward_model
+        from verl_ppo.reward.cache import CachedReward
         from verl_ppo.reward.rule import RuleReward
 
-        return RuleReward(score_fn=self.task.score)
+        rc = self.config.reward
+        if rc.model == "rule":
+            model: Any = RuleReward(score_fn=self.task.score)
+        else:
+            model = build_reward_model(rc.model, device=str(self.device))
+        if rc.cache_entries:
+            model = CachedReward(model, rc.cache_entries)
+        return model
 
     def _attach_grad_comm(self) -> None:
         """Hand gradient reduction to verl_comm's hooks when compression is on."""
@@ -220,13 +270,14 @@ class PPOTrainer:
             )
         return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
 
-    def _generate(self, input_ids, attention_mask, greedy: bool, max_new: int, seed: int):
+    def _generate(
+        self, input_ids, attention_mask, greedy: bool, max_new: int, seed: int, model=None
+    ):
+        """Sample (or greedily decode) with ``model`` (default: the actor's training module;
+        the hybrid engine passes its TP rollout model); CUDA graphs when configured."""
         r = self.config.rollout
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        return generate(
-            self.actor.module,
-            input_ids,
-            attention_mask,
+        kwargs = dict(
             max_new_tokens=max_new,
             eos_token_id=-1 if (r.ignore_eos and not greedy) else self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -236,12 +287,22 @@ class PPOTrainer:
             top_k=r.top_k,
             generator=gen,
         )
+        if model is not None:
+            return model.generate(input_ids, attention_mask, **kwargs)
+        if r.use_cuda_graph:
+            from verl_ppo.rollout.cuda_graph import decoder_for
 
-    def _score(self, prompt_ids, prompt_mask, responses, response_mask, entries) -> torch.Tensor:
+            self._decoder = decoder_for(
+                self._decoder, self.actor.module, input_ids.shape[1], max_new, use_cuda_graph=True
+            )
+            return self._decoder.generate(input_ids, attention_mask, **kwargs)
+        return generate(self.actor.module, input_ids, attention_mask, **kwargs)
+
+    def _reward_batch(self, prompt_ids, prompt_mask, responses, response_mask, entries):
         from verl_ppo.reward.base import RewardBatch
 
         texts = self._decode(responses, response_mask)
-        batch = RewardBatch.from_padded(
+        return RewardBatch.from_padded(
             prompt_ids.cpu(),
             prompt_mask.cpu(),
             responses.cpu(),
@@ -250,6 +311,9 @@ class PPOTrainer:
             texts,
             entries,
         )
+
+    def _score(self, prompt_ids, prompt_mask, responses, response_mask, entries) -> torch.Tensor:
+        batch = self._reward_batch(prompt_ids, prompt_mask, responses, response_mask, entries)
         return self.reward_model.score(batch).to(self.device)
 
     def _decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -266,16 +330,61 @@ class PPOTrainer:
         m: dict[str, float] = {}
         texts, entries, groups = self._prompts(step)
         prompt_ids, prompt_mask = self._encode(texts)
-        P = prompt_ids.shape[1]
-        with timer.phase("gen"):
-            self.actor.module.eval()
-            seed = cfg.seed * 1_000_003 + step * 7919 + self.rank
-            seqs = self._generate(prompt_ids, prompt_mask, False, cfg.rollout.max_new_tokens, seed)
-        self.profiler.record_rollout(timer.times["gen"], seqs.shape[0])
-        responses = seqs[:, P:]
-        rmask = response_mask_from(
-            responses, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        ).to(self.device)
+        P, B = prompt_ids.shape[1], prompt_ids.shape[0]
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        mb = cfg.rollout.micro_batch_size or B
+        with contextlib.ExitStack() as stack:
+            rollout_model = None
+            if self.hybrid is not None:
+                with timer.phase("reshard"):
+                    rollout_model = stack.enter_context(
+                        self.hybrid.rollout(self.actor.strategy.engine)
+                    )
+            parts, futures, scores = [], [], []
+            with timer.phase("gen"):
+                self.actor.module.eval()
+                for i in range(0, B, mb):
+                    seed = cfg.seed * 1_000_003 + step * 7919 + self.rank * 131 + i
+                    seqs_i = self._generate(
+                        prompt_ids[i : i + mb],
+                        prompt_mask[i : i + mb],
+                        False,
+                        cfg.rollout.max_new_tokens,
+                        seed,
+                        rollout_model,
+                    )
+                    parts.append(seqs_i[:, P:])
+                    if self.scorer is not None:  # score i while i+1 generates
+                        r_i = seqs_i[:, P:]
+                        m_i = response_mask_from(r_i, eos, pad)
+                        futures.append(
+                            self.scorer.submit(
+                                self._reward_batch(
+                                    prompt_ids[i : i + mb],
+                                    prompt_mask[i : i + mb],
+                                    r_i,
+                                    m_i,
+                                    entries[i : i + mb],
+                                )
+                            )
+                        )
+            if self.hybrid is not None:
+                with timer.phase("reshard"):
+                    stack.close()
+                m.update(
+                    {
+                        k: v
+                        for k, v in self.hybrid.last_metrics.items()
+                        if not k.startswith("timing")
+                    }
+                )
+        R = max(p.shape[1] for p in parts)
+        responses = torch.cat(
+            [torch.nn.functional.pad(p, (0, R - p.shape[1]), value=pad) for p in parts], 0
+        )
+        seqs = torch.cat([prompt_ids, responses], 1)
+        self.profiler.record_rollout(timer.times["gen"], B)
+        rmask = response_mask_from(responses, eos, pad).to(self.device)
         exp = Experience(
             input_ids=seqs,
             attention_mask=torch.cat([prompt_mask, rmask.long()], 1),
@@ -286,7 +395,14 @@ class PPOTrainer:
             entries=entries,
         )
         with timer.phase("reward"):
-            exp.scores = self._score(prompt_ids, prompt_mask, responses, rmask, entries)
+            if self.scorer is not None:
+                scores = [self.scorer.wait(f) for f in futures]
+                exp.scores = torch.cat(scores).to(self.device)
+                m.update(self.scorer.metrics(reset=True))
+            else:
+                exp.scores = self._score(prompt_ids, prompt_mask, responses, rmask, entries)
+        if hasattr(self.reward_model, "metrics"):
+            m.update({k: float(v) for k, v in self.reward_model.metrics().items()})
         with timer.phase("old_log_prob"):
             exp.old_log_prob = self.actor.compute_log_prob(exp)
         with timer.phase("ref"):
@@ -311,6 +427,8 @@ class PPOTrainer:
             for k, v in handle.hook_state.metrics().items():
                 m[f"comm/{role}/{k.split('/', 1)[-1]}"] = float(v)
         m = self._reduce_metrics(m)
+        if self.monitor is not None:
+            self.monitor.update(m, step=self.step)
         m["perf/tokens"] *= self.world
         m["perf/throughput_tokens_per_s"] = m["perf/tokens"] / max(m["timing_s/step"], 1e-9)
         m["perf/throughput_tokens_per_s_per_gpu"] = m["perf/throughput_tokens_per_s"] / self.world
@@ -467,7 +585,11 @@ class PPOTrainer:
         """Free engines and tear the process group down if this trainer created it."""
         import gc
 
-        for attr in ("actor", "critic", "reference", "engines"):
+        if getattr(self, "scorer", None) is not None:
+            self.scorer.shutdown()
+        if getattr(self, "monitor", None) is not None:
+            self.monitor.close()
+        for attr in ("actor", "critic", "reference", "engines", "hybrid", "_decoder"):
             if hasattr(self, attr):
                 setattr(self, attr, None)
         gc.collect()

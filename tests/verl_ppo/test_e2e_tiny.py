@@ -64,3 +64,35 @@ def test_grpo_with_kl_loss(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     last = _metrics(tmp_path)[-1]
     assert "actor/kl_loss" in last and "critic/vf_loss" not in last
+
+
+def test_everything_on_hybrid_tp2_int8_packing_async_reward(tmp_path):
+    """The main job with the resharding engine (TP2 rollout), int8 gradient compression,
+    sequence packing, token-budget micro-batches, async + cached reward and the profiler."""
+    r = run_job(
+        [
+            "--config",
+            "configs/tiny.yaml",
+            f"run_dir={tmp_path}",
+            "train.num_steps=3",
+            "data.eval_size=0",
+            "actor.model_config.hybrid_engine.enable=true",
+            "actor.model_config.hybrid_engine.rollout_sharding.tensor_parallel_size=2",
+            "gradient_compression=int8",
+            "compression.start_iter=1",
+            "train.sequence_packing=true",
+            "train.max_tokens_per_micro_batch=160",
+            "rollout.micro_batch_size=1",
+            "reward.cache_entries=64",
+            "profiler.enable=true",
+            f"profiler.output_dir={tmp_path / 'prof'}",
+        ]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = _metrics(tmp_path)[-1]
+    assert last["step"] == 3
+    assert last["reshard/tensor_parallel_size"] == 2.0
+    assert last["reshard/bytes_per_rank"] == last["reshard/lower_bound_bytes"]
+    assert "timing_s/reshard" in last and "reward/exposed_s" in last
+    assert last["comm/actor/compression_ratio"] > 3.0
+    assert (tmp_path / "prof" / "profile_rank0.json").is_file()

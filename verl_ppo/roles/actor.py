@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from verl_ppo.algorithms import agg_loss, kl_penalty, masked_mean, policy_loss_vanilla
 from verl_ppo.experience import Experience
-from verl_ppo.roles.common import sequence_log_probs
+from verl_ppo.roles.common import log_prob_fn, micro_batches
 from verl_ppo.strategy import DeepSpeedStrategy
 
 
@@ -48,8 +48,13 @@ class Actor:
         temperature: float,
         group: Any = None,
         grad_comm: Any = None,
+        packing: bool = False,
+        max_tokens_per_micro_batch: int | None = None,
     ) -> None:
         self.strategy = strategy
+        self.packing = packing
+        self.max_tokens = max_tokens_per_micro_batch
+        self.lp_fn = log_prob_fn(packing)
         self.algo = algo
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
@@ -66,7 +71,7 @@ class Actor:
         """Log-probs ``(B, R)`` of the responses under the current policy (no grad)."""
         self.module.eval()
         parts = [
-            sequence_log_probs(
+            self.lp_fn(
                 self.module, mb.input_ids, mb.attention_mask, exp.prompt_len, self.temperature
             )[0]
             for mb in exp.split(self.micro_batch_size)
@@ -88,8 +93,15 @@ class Actor:
         for _ in range(ppo_epochs):
             for mb_exp in exp.split(mini):
                 divisor = global_token_divisor(mb_exp.response_mask, self.group)
-                for micro in mb_exp.split(self.micro_batch_size):
-                    logp, ent = sequence_log_probs(
+                micros = micro_batches(
+                    mb_exp, self.micro_batch_size, self.max_tokens, self.packing, self.group
+                )
+                for j, micro in enumerate(micros):
+                    if self.max_tokens is not None:
+                        self.strategy.engine.set_gradient_accumulation_boundary(
+                            j == len(micros) - 1
+                        )
+                    logp, ent = self.lp_fn(
                         self.module,
                         micro.input_ids,
                         micro.attention_mask,

@@ -43,3 +43,25 @@ def sequence_log_probs(
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     ent = entropy_from_logits(logits) if with_entropy else None
     return logp, ent
+
+
+def log_prob_fn(packing: bool):
+    """``sequence_log_probs`` or its packed equivalent (same signature and result)."""
+    if packing:
+        from verl_ppo.packing import packed_log_probs
+
+        return packed_log_probs
+    return sequence_log_probs
+
+
+def micro_batches(exp, micro_batch_size: int, max_tokens: int | None, packing: bool, group=None):
+    """Split ``exp`` into micro-batches: fixed ``micro_batch_size`` sequences, or, with a
+    token budget, :func:`verl_ppo.batching.plan_micro_batches` (same count on every rank)."""
+    if max_tokens is None:
+        return exp.split(micro_batch_size)
+    from verl_ppo.batching import plan_micro_batches
+
+    lengths = exp.attention_mask.sum(-1)
+    plan = plan_micro_batches(lengths, max_tokens, "packed" if packing else "padded", group)
+    dev = exp.input_ids.device
+    return [exp.slice(torch.tensor(ix, dtype=torch.long, device=dev)) for ix in plan]

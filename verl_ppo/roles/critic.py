@@ -11,7 +11,7 @@ from torch import nn
 from verl_ppo.algorithms import masked_mean, value_loss_clipped
 from verl_ppo.experience import Experience
 from verl_ppo.roles.actor import global_token_divisor
-from verl_ppo.roles.common import position_ids_from
+from verl_ppo.roles.common import micro_batches, position_ids_from
 from verl_ppo.strategy import DeepSpeedStrategy
 
 
@@ -57,8 +57,12 @@ class Critic:
         micro_batch_size: int,
         group: Any = None,
         grad_comm: Any = None,
+        packing: bool = False,
+        max_tokens_per_micro_batch: int | None = None,
     ) -> None:
         self.strategy = strategy
+        self.packing = packing
+        self.max_tokens = max_tokens_per_micro_batch
         self.algo = algo
         self.micro_batch_size = micro_batch_size
         self.group = group
@@ -70,6 +74,10 @@ class Critic:
         return self.strategy.module
 
     def _values(self, exp: Experience) -> torch.Tensor:
+        if self.packing:
+            from verl_ppo.packing import packed_values
+
+            return packed_values(self.module, exp.input_ids, exp.attention_mask, exp.prompt_len)
         v = self.module(exp.input_ids, exp.attention_mask)
         return v[:, exp.prompt_len - 1 : -1]
 
@@ -91,7 +99,14 @@ class Critic:
         for _ in range(ppo_epochs):
             for mb_exp in exp.split(mini):
                 divisor = global_token_divisor(mb_exp.response_mask, self.group)
-                for micro in mb_exp.split(self.micro_batch_size):
+                micros = micro_batches(
+                    mb_exp, self.micro_batch_size, self.max_tokens, self.packing, self.group
+                )
+                for j, micro in enumerate(micros):
+                    if self.max_tokens is not None:
+                        self.strategy.engine.set_gradient_accumulation_boundary(
+                            j == len(micros) - 1
+                        )
                     v = self._values(micro)
                     loss, m = value_loss_clipped(
                         v,

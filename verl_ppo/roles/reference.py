@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from verl_ppo.experience import Experience
-from verl_ppo.roles.common import sequence_log_probs
+from verl_ppo.roles.common import log_prob_fn
 
 
 class Reference:
@@ -17,8 +17,15 @@ class Reference:
         temperature: the rollout temperature.
     """
 
-    def __init__(self, model: torch.nn.Module, micro_batch_size: int, temperature: float) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        micro_batch_size: int,
+        temperature: float,
+        packing: bool = False,
+    ) -> None:
         self.model = model.eval()
+        self.lp_fn = log_prob_fn(packing)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.micro_batch_size = micro_batch_size
@@ -28,7 +35,7 @@ class Reference:
     def compute_log_prob(self, exp: Experience) -> torch.Tensor:
         """Reference log-probs ``(B, R)`` float32 of ``exp``'s responses."""
         parts = [
-            sequence_log_probs(
+            self.lp_fn(
                 self.model, mb.input_ids, mb.attention_mask, exp.prompt_len, self.temperature
             )[0]
             for mb in exp.split(self.micro_batch_size)
