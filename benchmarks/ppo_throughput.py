@@ -118,6 +118,7 @@ class Setup:
     """One benchmark configuration (sizes in sequences/tokens; batch global over ranks)."""
 
     shape: str = "qwen05b"
+    layers: int | None = None  # override of the shape's num_hidden_layers (quick checks)
     prompt_len: int = 256
     response_len: int = 256
     rollout_batch: int = 128
@@ -127,6 +128,13 @@ class Setup:
     seed: int = 0
     model_dir: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+
+    def model_fields(self) -> dict[str, Any]:
+        """HF config fields of the model (``model_type`` included)."""
+        fields = dict(SHAPES[self.shape])
+        if self.layers is not None:
+            fields["num_hidden_layers"] = self.layers
+        return fields
 
 
 # ----------------------------------------------------------------- prompts and task
@@ -295,7 +303,7 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
     cfg = {
         "seed": s.seed,
         "run_dir": run_dir,
-        "model": {"path": s.model_dir, "tiny": dict(SHAPES[s.shape])},
+        "model": {"path": s.model_dir, "tiny": s.model_fields()},
         "data": {
             "eval_size": 0,
             "max_prompt_len": s.prompt_len,
@@ -446,7 +454,7 @@ def run_trl(s: Setup, out_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
     tok = load_tokenizer(s.model_dir)
     texts = fixed_length_prompts(tok, s.rollout_batch, s.prompt_len, s.seed)
     rows = [{"input_ids": tok(t, add_special_tokens=False).input_ids} for t in texts]
-    fields = dict(SHAPES[s.shape])
+    fields = s.model_fields()
     model_type = fields.pop("model_type")
     cfg = AutoConfig.for_model(model_type, pad_token_id=tok.pad_token_id, **fields)
     torch.manual_seed(s.seed)
@@ -574,7 +582,7 @@ def summarize(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
         "world_size": world,
-        "shape": s.shape,
+        "shape": s.shape if s.layers is None else f"{s.shape}, {s.layers} layers",
         "prompt_len": s.prompt_len,
         "response_len": s.response_len,
         "rollout_batch": s.rollout_batch,
@@ -707,6 +715,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output folder")
     p.add_argument("--model-dir", default=None, help="config.json + tokenizer folder")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen05b")
+    p.add_argument("--layers", type=int, default=None, help="override the shape's depth")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--rollout-batch", type=int, default=128, help="sequences per step, global")
@@ -740,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
 
     s = Setup(
         shape=a.shape,
+        layers=a.layers,
         prompt_len=a.prompt_len,
         response_len=a.response_len,
         rollout_batch=a.rollout_batch,
