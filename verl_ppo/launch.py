@@ -42,6 +42,18 @@ def preflight(cfg: Any) -> None:
         check_port_free(cfg.comm.master_port)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGKILL it when the launcher dies (even by
+    SIGKILL), so no rank outlives a killed launcher. A no-op elsewhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def launch(cfg: Any, config_path: str | None, overrides: list[str]) -> int:
     """Start ``cfg.comm.nproc`` ranks of ``python -m verl_ppo.train`` and supervise them.
 
@@ -74,7 +86,9 @@ def launch(cfg: Any, config_path: str | None, overrides: list[str]) -> int:
             VERL_PPO_RUN_DIR=str(cfg.run_dir),
         )
         env.setdefault("OMP_NUM_THREADS", str(threads))
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        procs.append(
+            subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        )
     return _supervise(procs)
 
 

@@ -76,6 +76,19 @@ class MetricsWriter:
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after ``step`` (on resume: those steps run again), atomically."""
+        if not self.enabled or not self.path.is_file():
+            return
+        keep = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(self.path)
+
     def write(self, record: dict[str, Any]) -> None:
         """Write ``record`` (non-finite floats become null)."""
         if not self.enabled:

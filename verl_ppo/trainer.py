@@ -533,6 +533,7 @@ class PPOTrainer:
         for role, handle in self.grad_comm.items():
             if f"grad_comm/{role}" in state and hasattr(handle, "load_state_dict"):
                 handle.load_state_dict(state[f"grad_comm/{role}"])
+        self.writer.truncate_after(self.step)
         self.log.info("resumed from %s at step %d", path, self.step)
 
     # ------------------------------------------------------------------- run
