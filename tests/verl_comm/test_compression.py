@@ -327,3 +327,84 @@ def test_lowrank_warm_start_off_draws_fresh_q():
     for _ in range(2):
         torch.randn(1, 32, 4, generator=fresh)
     assert torch.equal(gens[False], fresh.get_state())  # a fresh Q every step
+
+
+# Regression: r = 128 on DDP gradients of 24 x nn.Linear(4096, 4096) raised
+# NonFiniteGradientError on every compressed step (H200, NVLink and socket). The gradients
+# of a deep default-init Linear stack are ~rank 1 (bias-dominated activations), so P = M Q is
+# numerically rank-deficient; the fp32 Gram matrix of the old CholeskyQR2 was then
+# indefinite after a shift of eps/r and Cholesky produced NaN. All inputs below made the old
+# fp32 version return NaN or a non-orthonormal P.
+
+
+def _near_rank1(k: int, n: int, r: int, rel_noise: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, n, r)`` batch of rank-1 matrices ``u w^T`` plus relative noise, and ``u``."""
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(k, n, 1, generator=g)
+    p = u @ torch.randn(k, 1, r, generator=g) + rel_noise * torch.randn(k, n, r, generator=g)
+    return p, u
+
+
+@pytest.mark.parametrize("rel_noise", [0.0, 1e-5, 1e-4, 1e-3])
+def test_orthonormalize_near_rank1_at_r128_is_finite_and_contracting(rel_noise):
+    p, u = _near_rank1(8, 1024, 128, rel_noise)
+    q = orthonormalize(p)
+    assert q.dtype == torch.float32 and torch.isfinite(q).all()
+    # P P^T never expands (eigenvalues of P^T P <= 1) and keeps the dominant direction
+    assert float(torch.linalg.eigvalsh((q.mT @ q).double()).max()) <= 1 + 1e-5
+    captured = (q @ (q.mT @ u)).norm(dim=(1, 2)) / u.norm(dim=(1, 2))
+    torch.testing.assert_close(captured, torch.ones(8), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("scale", [1e-42, 1e-30, 1e20, 1e30])  # subnormal .. near fp32 max
+def test_orthonormalize_extreme_scales_at_r128(scale):
+    g = torch.Generator().manual_seed(1)
+    p = torch.randn(2, 512, 128, generator=g) * scale
+    assert torch.isfinite(p).all()
+    q = orthonormalize(p)
+    torch.testing.assert_close(q.mT @ q, torch.eye(128).expand(2, 128, 128), atol=1e-4, rtol=0)
+
+
+def test_orthonormalize_zero_and_nonfinite_inputs():
+    p = torch.zeros(2, 256, 128)
+    p[1, 5, 7] = 1e-45  # one subnormal entry: rank 1, its column becomes a unit vector
+    q = orthonormalize(p)
+    assert torch.equal(q[0], torch.zeros(256, 128))
+    assert torch.isfinite(q).all() and float(q[1, 5, 7]) == pytest.approx(1.0, abs=1e-6)
+    bad = torch.randn(1, 64, 8)
+    bad[0, 3, 2] = float("nan")  # NaN must stay visible to the caller's non-finite check
+    assert not torch.isfinite(orthonormalize(bad)).all()
+    with pytest.raises(ValueError, match="eps"):
+        orthonormalize(torch.randn(1, 8, 2), eps=0.0)
+
+
+@pytest.mark.timeout(120)
+def test_lowrank_r128_on_deep_linear_gradients_stays_finite():
+    """The failing workload in small: DDP-like gradients of 24 x Linear(512, 512) (batch 64
+    per rank, loss mean(out^2)) through W = 2 low rank at r = 128, bf16 residual."""
+    dim, layers = 512, 24
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+    flats = []
+    for rank in range(2):
+        x = torch.randn(64, dim, generator=torch.Generator().manual_seed(rank))
+        model.zero_grad()
+        model(x).square().mean().backward()
+        ws = [m.weight.grad.reshape(-1) for m in model]
+        flats.append(torch.cat(ws + [m.bias.grad for m in model]))
+    del model
+    plan = plan_lowrank([(dim, dim)] * layers + [(dim,)] * layers, rank=128)
+    assert plan.groups[0].k == layers and plan.groups[0].rank == 128
+
+    def fn(r, c):
+        st = LowRankBucketState()
+        g = torch.Generator().manual_seed(0)
+        res = lowrank_int8_allreduce(
+            flats[r], plan, st, c, generator=g, residual_dtype=torch.bfloat16
+        )
+        return bool(res.finite), res.out.clone(), float(res.error_sq), float(res.input_sq)
+
+    (ok0, out0, e0, i0), (ok1, out1, _, _) = run_ranks(2, fn)
+    assert ok0 and ok1 and torch.isfinite(out0).all()
+    assert torch.equal(out0, out1)
+    assert 0 < e0 < i0  # the approximation removes part of the (error-fed) input
