@@ -132,18 +132,7 @@ class PPOTrainer:
             world_size=self.world,
             bf16=self.dtype == torch.bfloat16,
         )
-        a_cfg = cfg.actor
-        actor_strategy = DeepSpeedStrategy(
-            ds_config(
-                zero_stage=a_cfg.zero_stage,
-                grad_clip=a_cfg.optim.grad_clip,
-                offload_optimizer=a_cfg.offload_optimizer,
-                **engines_cfg,
-            ),
-            lr=a_cfg.optim.lr,
-            weight_decay=a_cfg.optim.weight_decay,
-            betas=a_cfg.optim.betas,
-        )
+        actor_strategy = self._strategy(cfg.actor, engines_cfg)
         actor_strategy.init(policy)
         packing, budget = cfg.train.sequence_packing, cfg.train.max_tokens_per_micro_batch
         self.actor = Actor(
@@ -161,18 +150,7 @@ class PPOTrainer:
         self.critic: Critic | None = None
         if self.use_critic:
             value_model = build_value_model(policy, self.dtype).to(self.device)
-            c_cfg = cfg.critic
-            critic_strategy = DeepSpeedStrategy(
-                ds_config(
-                    zero_stage=c_cfg.zero_stage,
-                    grad_clip=c_cfg.optim.grad_clip,
-                    offload_optimizer=c_cfg.offload_optimizer,
-                    **engines_cfg,
-                ),
-                lr=c_cfg.optim.lr,
-                weight_decay=c_cfg.optim.weight_decay,
-                betas=c_cfg.optim.betas,
-            )
+            critic_strategy = self._strategy(cfg.critic, engines_cfg)
             critic_strategy.init(value_model)
             self.critic = Critic(
                 critic_strategy,
@@ -211,6 +189,21 @@ class PPOTrainer:
         if cfg.train.resume == "auto":
             self._maybe_resume()
         self._ready = True
+
+    @staticmethod
+    def _strategy(role_cfg: Any, engines_cfg: dict[str, Any]) -> DeepSpeedStrategy:
+        """The DeepSpeed strategy of one role (``actor`` or ``critic`` config section)."""
+        return DeepSpeedStrategy(
+            ds_config(
+                zero_stage=role_cfg.zero_stage,
+                grad_clip=role_cfg.optim.grad_clip,
+                offload_optimizer=role_cfg.offload_optimizer,
+                **engines_cfg,
+            ),
+            lr=role_cfg.optim.lr,
+            weight_decay=role_cfg.optim.weight_decay,
+            betas=role_cfg.optim.betas,
+        )
 
     def _build_reward(self) -> Any:
         """The reward model of ``reward.model`` (rule scorer of the task by default), wrapped in

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from verl_ppo.algorithms import agg_loss, kl_penalty, masked_mean, policy_loss_vanilla
 from verl_ppo.experience import Experience
-from verl_ppo.roles.common import log_prob_fn, micro_batches
+from verl_ppo.roles.common import log_prob_fn, micro_batches, micro_step
 from verl_ppo.strategy import DeepSpeedStrategy
 
 
@@ -97,10 +97,7 @@ class Actor:
                     mb_exp, self.micro_batch_size, self.max_tokens, self.packing, self.group
                 )
                 for j, micro in enumerate(micros):
-                    if self.max_tokens is not None:
-                        self.strategy.engine.set_gradient_accumulation_boundary(
-                            j == len(micros) - 1
-                        )
+                    boundary = None if self.max_tokens is None else j == len(micros) - 1
                     logp, ent = self.lp_fn(
                         self.module,
                         micro.input_ids,
@@ -133,10 +130,7 @@ class Actor:
                         counts["actor/kl_loss"] += 1
                     if a.loss_agg_mode != "token-mean":
                         loss = loss * micro.batch_size / max(mb_exp.batch_size, 1)
-                    self.strategy.backward(loss)
-                    if self.grad_comm is not None:
-                        self.grad_comm.after_backward()
-                    self.strategy.step()
+                    micro_step(self.strategy, loss, self.grad_comm, boundary)
                     sums["actor/pg_loss"] += float(pg_loss.detach())
                     counts["actor/pg_loss"] += 1
                     for k, v in m.items():

@@ -65,3 +65,15 @@ def micro_batches(exp, micro_batch_size: int, max_tokens: int | None, packing: b
     plan = plan_micro_batches(lengths, max_tokens, "packed" if packing else "padded", group)
     dev = exp.input_ids.device
     return [exp.slice(torch.tensor(ix, dtype=torch.long, device=dev)) for ix in plan]
+
+
+def micro_step(strategy, loss: torch.Tensor, grad_comm, boundary: bool | None) -> None:
+    """Backward of one micro-batch's loss, verl_comm's reduction if attached, then DeepSpeed's
+    step (which only updates at the accumulation boundary). ``boundary`` overrides
+    DeepSpeed's own micro-step count (token-budget micro-batches vary in number)."""
+    if boundary is not None:
+        strategy.engine.set_gradient_accumulation_boundary(boundary)
+    strategy.backward(loss)
+    if grad_comm is not None:
+        grad_comm.after_backward()
+    strategy.step()

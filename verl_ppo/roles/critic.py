@@ -11,7 +11,7 @@ from torch import nn
 from verl_ppo.algorithms import masked_mean, value_loss_clipped
 from verl_ppo.experience import Experience
 from verl_ppo.roles.actor import global_token_divisor
-from verl_ppo.roles.common import micro_batches, position_ids_from
+from verl_ppo.roles.common import micro_batches, micro_step, position_ids_from
 from verl_ppo.strategy import DeepSpeedStrategy
 
 
@@ -103,10 +103,7 @@ class Critic:
                     mb_exp, self.micro_batch_size, self.max_tokens, self.packing, self.group
                 )
                 for j, micro in enumerate(micros):
-                    if self.max_tokens is not None:
-                        self.strategy.engine.set_gradient_accumulation_boundary(
-                            j == len(micros) - 1
-                        )
+                    boundary = None if self.max_tokens is None else j == len(micros) - 1
                     v = self._values(micro)
                     loss, m = value_loss_clipped(
                         v,
@@ -119,10 +116,7 @@ class Critic:
                     )
                     if a.loss_agg_mode != "token-mean":
                         loss = loss * micro.batch_size / max(mb_exp.batch_size, 1)
-                    self.strategy.backward(a.vf_coef * loss)
-                    if self.grad_comm is not None:
-                        self.grad_comm.after_backward()
-                    self.strategy.step()
+                    micro_step(self.strategy, a.vf_coef * loss, self.grad_comm, boundary)
                     sums["critic/vf_loss"] += float(loss.detach())
                     counts["critic/vf_loss"] += 1
                     sums["critic/vf_clipfrac"] += float(m["vf_clipfrac"])
