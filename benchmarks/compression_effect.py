@@ -8,7 +8,7 @@ when its end eval reward is within that spread of the uncompressed mean. Numeric
 must finish its steps with finite metrics. Records: ``<out>/compression_effect.jsonl`` + md.
 
     python benchmarks/compression_effect.py --steps 12 --seeds 0 1     # CPU, ~10 minutes
-    python benchmarks/compression_effect.py --smoke                    # CI: tiny model, 1 step
+    python benchmarks/compression_effect.py --smoke                    # CI: tiny model, 2 steps
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def run(compression: str, seed: int, steps: int, run_dir: Path, smoke: bool) -> 
         "train.resume=never",
         f"gradient_compression={compression}",
     ]
+    if smoke:  # one step: compress from the first gradient reduction on
+        args += ["compression.start_iter=1", "data.eval_size=2"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
     if r.returncode != 0:
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
     if a.smoke:
-        a.steps, a.seeds = 1, [0]
+        a.steps, a.seeds = 2, [0]
     import torch
 
     commit = subprocess.run(
