@@ -23,11 +23,20 @@ st = LowRankBucketState()
 torch.manual_seed(rank)
 for it in range(4):
     flat = torch.randn(plan.numel, device=dev) * 1e-3
-    res = lowrank_int8_allreduce(flat, plan, st, coll, residual_dtype=torch.bfloat16,
-                                 generator=torch.Generator().manual_seed(0))
+    res = lowrank_int8_allreduce(
+        flat,
+        plan,
+        st,
+        coll,
+        residual_dtype=torch.bfloat16,
+        generator=torch.Generator().manual_seed(0),
+    )
     torch.cuda.synchronize()
-    print(f"[direct r{rank}] it{it} finite={bool(res.finite)} out_nan={bool(torch.isnan(res.out).any())} "
-          f"q_nan={[bool(torch.isnan(q).any()) for q in st.qs]} err/in={float(res.error_sq / res.input_sq):.3g}", flush=True)
+    print(
+        f"[direct r{rank}] it{it} finite={bool(res.finite)} out_nan={bool(torch.isnan(res.out).any())} "
+        f"q_nan={[bool(torch.isnan(q).any()) for q in st.qs]} err/in={float(res.error_sq / res.input_sq):.3g}",
+        flush=True,
+    )
 
 for method, rank_ in (("int8", None), ("int8", 32)):
     torch.manual_seed(0)
@@ -45,9 +54,15 @@ for method, rank_ in (("int8", None), ("int8", 32)):
             out.float().square().mean().backward()
             torch.cuda.synchronize()
             fin = all(torch.isfinite(p.grad).all() for p in model.parameters())
-            print(f"[ddp {method} r={rank_} rank{rank}] step{step} grads finite={fin} {state.metrics()}", flush=True)
+            print(
+                f"[ddp {method} r={rank_} rank{rank}] step{step} grads finite={fin} {state.metrics()}",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001
-            print(f"[ddp {method} r={rank_} rank{rank}] step{step} ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(
+                f"[ddp {method} r={rank_} rank{rank}] step{step} ERROR {type(e).__name__}: {str(e)[:200]}",
+                flush=True,
+            )
             break
     del ddp, model
 dist.destroy_process_group()
