@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from verl_ppo.algorithms import agg_loss, kl_penalty, masked_mean, policy_loss_vanilla
 from verl_ppo.experience import Experience
-from verl_ppo.roles.common import log_prob_fn, micro_batches, micro_step
+from verl_ppo.roles.common import log_prob_fn, run_update
 from verl_ppo.strategy import DeepSpeedStrategy
-
-
-def global_token_divisor(mask: torch.Tensor, group: Any = None) -> float:
-    """Valid tokens of ``mask`` summed over the data-parallel group, divided by its size.
-
-    Used as the ``token-mean`` divisor so that the loss is invariant to the number of
-    ranks and micro-batches (see :func:`verl_ppo.algorithms.agg_loss`).
-    """
-    n = mask.sum().to(torch.float64).reshape(1)
-    world = 1
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(n, group=group)
-        world = dist.get_world_size(group)
-    return max(float(n.item()) / world, 1.0)
 
 
 class Actor:
@@ -86,60 +70,38 @@ class Actor:
         when the KL is a loss term.
         """
         a = self.algo
-        self.module.train()
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-        mini = max(exp.batch_size // num_mini_batches, 1)
-        for _ in range(ppo_epochs):
-            for mb_exp in exp.split(mini):
-                divisor = global_token_divisor(mb_exp.response_mask, self.group)
-                micros = micro_batches(
-                    mb_exp, self.micro_batch_size, self.max_tokens, self.packing, self.group
-                )
-                for j, micro in enumerate(micros):
-                    boundary = None if self.max_tokens is None else j == len(micros) - 1
-                    logp, ent = self.lp_fn(
-                        self.module,
-                        micro.input_ids,
-                        micro.attention_mask,
-                        exp.prompt_len,
-                        self.temperature,
-                        with_entropy=True,
-                    )
-                    mask = micro.response_mask
-                    pg_loss, m = policy_loss_vanilla(
-                        micro.old_log_prob,
-                        logp,
-                        micro.advantages,
-                        mask,
-                        clip_ratio=a.clip_ratio,
-                        clip_ratio_c=a.clip_ratio_c,
-                        loss_agg_mode=a.loss_agg_mode,
-                        global_tokens=divisor,
-                    )
-                    loss = pg_loss
-                    if a.entropy_coeff > 0:
-                        loss = loss - a.entropy_coeff * agg_loss(
-                            ent, mask, a.loss_agg_mode, divisor
-                        )
-                    if a.kl.use_kl_loss:
-                        kl = kl_penalty(logp, micro.ref_log_prob, a.kl.estimator)
-                        kl_loss = agg_loss(kl, mask, a.loss_agg_mode, divisor)
-                        loss = loss + a.kl.kl_coef * kl_loss
-                        sums["actor/kl_loss"] += float(kl_loss.detach())
-                        counts["actor/kl_loss"] += 1
-                    if a.loss_agg_mode != "token-mean":
-                        loss = loss * micro.batch_size / max(mb_exp.batch_size, 1)
-                    micro_step(self.strategy, loss, self.grad_comm, boundary)
-                    sums["actor/pg_loss"] += float(pg_loss.detach())
-                    counts["actor/pg_loss"] += 1
-                    for k, v in m.items():
-                        sums[f"actor/{k}"] += float(v)
-                        counts[f"actor/{k}"] += 1
-                    sums["actor/entropy"] += float(masked_mean(ent.detach(), mask))
-                    counts["actor/entropy"] += 1
-                gn = self.strategy.engine.get_global_grad_norm()
-                if gn is not None:
-                    sums["actor/grad_norm"] += float(gn)
-                    counts["actor/grad_norm"] += 1
-        return {k: sums[k] / counts[k] for k in sums}
+
+        def loss_fn(micro: Experience, divisor: float):
+            logp, ent = self.lp_fn(
+                self.module,
+                micro.input_ids,
+                micro.attention_mask,
+                exp.prompt_len,
+                self.temperature,
+                with_entropy=True,
+            )
+            mask = micro.response_mask
+            pg_loss, m = policy_loss_vanilla(
+                micro.old_log_prob,
+                logp,
+                micro.advantages,
+                mask,
+                clip_ratio=a.clip_ratio,
+                clip_ratio_c=a.clip_ratio_c,
+                loss_agg_mode=a.loss_agg_mode,
+                global_tokens=divisor,
+            )
+            metrics = {k: float(v) for k, v in m.items()}
+            metrics["pg_loss"] = float(pg_loss.detach())
+            metrics["entropy"] = float(masked_mean(ent.detach(), mask))
+            loss = pg_loss
+            if a.entropy_coeff > 0:
+                loss = loss - a.entropy_coeff * agg_loss(ent, mask, a.loss_agg_mode, divisor)
+            if a.kl.use_kl_loss:
+                kl = kl_penalty(logp, micro.ref_log_prob, a.kl.estimator)
+                kl_loss = agg_loss(kl, mask, a.loss_agg_mode, divisor)
+                loss = loss + a.kl.kl_coef * kl_loss
+                metrics["kl_loss"] = float(kl_loss.detach())
+            return loss, metrics
+
+        return run_update(self, exp, num_mini_batches, ppo_epochs, "actor", loss_fn)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from verl_ppo.algorithms.losses import entropy_from_logits
@@ -77,3 +81,66 @@ def micro_step(strategy, loss: torch.Tensor, grad_comm, boundary: bool | None) -
     if grad_comm is not None:
         grad_comm.after_backward()
     strategy.step()
+
+
+def run_update(
+    role: Any,
+    exp: Any,
+    num_mini_batches: int,
+    ppo_epochs: int,
+    prefix: str,
+    loss_fn: Callable[[Any, float], tuple[torch.Tensor, dict[str, float]]],
+) -> dict[str, float]:
+    """The PPO update loop shared by actor and critic.
+
+    ``ppo_epochs`` passes over ``exp`` split into ``num_mini_batches`` mini-batches (one
+    optimizer step each), each split into micro-batches (fixed size or token budget).
+    ``loss_fn(micro, divisor)`` returns the micro-batch loss (``token-mean`` divisor already
+    applied) and float metrics; metrics are averaged and returned as ``<prefix>/<name>``,
+    plus ``<prefix>/grad_norm``.
+
+    Args:
+        role: an object with ``strategy``, ``module``, ``group``, ``grad_comm``,
+            ``micro_batch_size``, ``max_tokens``, ``packing`` and ``algo``.
+    """
+    role.module.train()
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    mini = max(exp.batch_size // num_mini_batches, 1)
+    seq_scaled = role.algo.loss_agg_mode != "token-mean"
+    for _ in range(ppo_epochs):
+        for mb_exp in exp.split(mini):
+            divisor = global_token_divisor(mb_exp.response_mask, role.group)
+            micros = micro_batches(
+                mb_exp, role.micro_batch_size, role.max_tokens, role.packing, role.group
+            )
+            for j, micro in enumerate(micros):
+                boundary = None if role.max_tokens is None else j == len(micros) - 1
+                loss, metrics = loss_fn(micro, divisor)
+                if seq_scaled:  # per-sequence means: weight micro-batches by their share
+                    loss = loss * micro.batch_size / max(mb_exp.batch_size, 1)
+                micro_step(role.strategy, loss, role.grad_comm, boundary)
+                for k, v in metrics.items():
+                    sums[f"{prefix}/{k}"] += float(v)
+                    counts[f"{prefix}/{k}"] += 1
+            gn = role.strategy.engine.get_global_grad_norm()
+            if gn is not None:
+                sums[f"{prefix}/grad_norm"] += float(gn)
+                counts[f"{prefix}/grad_norm"] += 1
+    return {k: sums[k] / counts[k] for k in sums}
+
+
+def global_token_divisor(mask: torch.Tensor, group: Any = None) -> float:
+    """Valid tokens of ``mask`` summed over the data-parallel group, divided by its size.
+
+    Used as the ``token-mean`` divisor so that the loss is invariant to the number of
+    ranks and micro-batches (see :func:`verl_ppo.algorithms.agg_loss`).
+    """
+    import torch.distributed as dist
+
+    n = mask.sum().to(torch.float64).reshape(1)
+    world = 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(n, group=group)
+        world = dist.get_world_size(group)
+    return max(float(n.item()) / world, 1.0)

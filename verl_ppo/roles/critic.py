@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -10,8 +9,7 @@ from torch import nn
 
 from verl_ppo.algorithms import masked_mean, value_loss_clipped
 from verl_ppo.experience import Experience
-from verl_ppo.roles.actor import global_token_divisor
-from verl_ppo.roles.common import micro_batches, micro_step, position_ids_from
+from verl_ppo.roles.common import position_ids_from, run_update
 from verl_ppo.strategy import DeepSpeedStrategy
 
 
@@ -92,39 +90,23 @@ class Critic:
         """Clipped value-loss epochs; metrics ``critic/vf_loss``, ``critic/vf_clipfrac``,
         ``critic/vpred_mean``, ``critic/grad_norm``."""
         a = self.algo
-        self.module.train()
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-        mini = max(exp.batch_size // num_mini_batches, 1)
-        for _ in range(ppo_epochs):
-            for mb_exp in exp.split(mini):
-                divisor = global_token_divisor(mb_exp.response_mask, self.group)
-                micros = micro_batches(
-                    mb_exp, self.micro_batch_size, self.max_tokens, self.packing, self.group
-                )
-                for j, micro in enumerate(micros):
-                    boundary = None if self.max_tokens is None else j == len(micros) - 1
-                    v = self._values(micro)
-                    loss, m = value_loss_clipped(
-                        v,
-                        micro.values,
-                        micro.returns,
-                        micro.response_mask,
-                        cliprange_value=a.cliprange_value,
-                        loss_agg_mode=a.loss_agg_mode,
-                        global_tokens=divisor,
-                    )
-                    if a.loss_agg_mode != "token-mean":
-                        loss = loss * micro.batch_size / max(mb_exp.batch_size, 1)
-                    micro_step(self.strategy, a.vf_coef * loss, self.grad_comm, boundary)
-                    sums["critic/vf_loss"] += float(loss.detach())
-                    counts["critic/vf_loss"] += 1
-                    sums["critic/vf_clipfrac"] += float(m["vf_clipfrac"])
-                    counts["critic/vf_clipfrac"] += 1
-                    sums["critic/vpred_mean"] += float(masked_mean(v.detach(), micro.response_mask))
-                    counts["critic/vpred_mean"] += 1
-                gn = self.strategy.engine.get_global_grad_norm()
-                if gn is not None:
-                    sums["critic/grad_norm"] += float(gn)
-                    counts["critic/grad_norm"] += 1
-        return {k: sums[k] / counts[k] for k in sums}
+
+        def loss_fn(micro: Experience, divisor: float):
+            v = self._values(micro)
+            loss, m = value_loss_clipped(
+                v,
+                micro.values,
+                micro.returns,
+                micro.response_mask,
+                cliprange_value=a.cliprange_value,
+                loss_agg_mode=a.loss_agg_mode,
+                global_tokens=divisor,
+            )
+            metrics = {
+                "vf_loss": float(loss.detach()),
+                "vf_clipfrac": float(m["vf_clipfrac"]),
+                "vpred_mean": float(masked_mean(v.detach(), micro.response_mask)),
+            }
+            return a.vf_coef * loss, metrics
+
+        return run_update(self, exp, num_mini_batches, ppo_epochs, "critic", loss_fn)
