@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     if under_launcher:
         from verl_ppo.launch import rank_main
 
+        os.environ.setdefault("VERL_PPO_RUN_DIR", str(cfg.run_dir))  # tracebacks go there
+
         return rank_main(lambda: run_rank(args.config, args.overrides))
     from verl_ppo.launch import launch
 
