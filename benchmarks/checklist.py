@@ -252,6 +252,7 @@ def train_packed(model, ids, mask, P: int, plan: list[list[int]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the checklist benchmark (see the module docstring); returns the exit code."""
     a = _args(argv)
     cuda = torch.cuda.is_available() and not a.smoke
     device = torch.device("cuda") if cuda else torch.device("cpu")

@@ -586,6 +586,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Launch or run the hook benchmark (see the module docstring); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _args(argv)
     if "RANK" in os.environ:

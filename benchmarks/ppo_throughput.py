@@ -525,6 +525,8 @@ def run_trl(s: Setup, out_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
     steps: list[dict[str, Any]] = []
 
     class Clock(TrainerCallback):
+        """Synchronised wall-clock marks around TRL's training phases (seconds)."""
+
         def on_train_begin(self, *a, **k):
             _sync()
             self.t = time.perf_counter()

@@ -48,6 +48,7 @@ SWEEP = ((2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options of the kernel benchmark."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/results", help="output folder")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, < 60 s")
@@ -112,10 +113,12 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def all_same(got, want) -> bool:
+    """True when every output tensor equals its reference (bit for bit, NaN == NaN)."""
     return all(same(a, b) for a, b in zip(got, want))
 
 
 def environment(device: torch.device, commit: str | None) -> dict:
+    """Device name, versions, date and commit for the records."""
     import triton
 
     if commit is None:

@@ -297,6 +297,7 @@ def check_targets(recs: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the reshard benchmark (see the module docstring); returns the exit code."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--smoke", action="store_true", help="CPU gloo, 2 processes, small model")
