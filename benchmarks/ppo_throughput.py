@@ -55,8 +55,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import json
 import math
@@ -68,7 +66,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -365,59 +362,8 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------- TRL
-class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves stand-in modules for ``names`` (and their submodules) that are not installed.
-
-    Only names that failed to import are served (first in ``sys.meta_path``, so that a
-    broken installation is not half-used). Any attribute of a stand-in is a class that
-    raises ImportError when instantiated.
-    """
-
-    def __init__(self, names: set[str]) -> None:
-        self.names = names
-
-    def find_spec(self, fullname, path=None, target=None):  # noqa: D102
-        if fullname.split(".")[0] in self.names:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):  # noqa: D102
-        return None
-
-    def exec_module(self, module: types.ModuleType) -> None:  # noqa: D102
-        name = module.__name__
-        module.__path__ = []
-
-        def _getattr(attr: str) -> Any:
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-
-            def _refuse(*a: Any, **k: Any) -> None:
-                raise ImportError(f"{name}.{attr}: {name} is not installed (stand-in module)")
-
-            return type(attr, (), {"__init__": _refuse})
-
-        module.__getattr__ = _getattr  # type: ignore[method-assign]
-
-
-def install_import_stand_ins(names: tuple[str, ...] = ("pandas", "datasets", "pyarrow")) -> list:
-    """Serve import-time stand-ins for those of ``names`` that cannot be imported (absent, or
-    installed without their own dependencies); returns the names stood in for (empty when
-    all import). Modules that import are never replaced."""
-    missing = set()
-    for n in names:
-        if importlib.util.find_spec(n) is None:
-            missing.add(n)
-            continue
-        try:
-            importlib.import_module(n)
-        except Exception:  # noqa: BLE001 - any failure: unusable here
-            missing.add(n)
-            for m in [m for m in sys.modules if m.split(".")[0] == n]:
-                del sys.modules[m]
-    if missing:
-        sys.meta_path.insert(0, _StandInFinder(missing))
-    return sorted(missing)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helper module
+from import_stand_ins import install_import_stand_ins  # noqa: E402
 
 
 class _ListDataset(torch.utils.data.Dataset):
