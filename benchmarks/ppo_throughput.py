@@ -323,6 +323,7 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
         trainer.setup()
         world = trainer.world
         want_tokens = s.rollout_batch * (s.prompt_len + s.response_len)
+        trainer.profiler.start()  # as PPOTrainer.run(); a no-op unless profiler.enable
         for step in range(s.warmup + s.steps):
             _sync()
             if world > 1:
@@ -331,6 +332,7 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
             m = trainer.train_step(step)
             _sync()
             (dt,) = _max_over_ranks([time.perf_counter() - t0])
+            trainer.profiler.step()
             trainer.step = step + 1
             _check_finite(m, f"verl_ppo step {step}")
             # ignore_eos: every response is response_len long unless EOS is sampled by
@@ -357,6 +359,7 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
                     "response_length_mean": m["response/length_mean"],
                 }
             )
+        trainer.profiler.stop()
     trainer.close()
     return out
 

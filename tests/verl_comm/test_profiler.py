@@ -233,3 +233,46 @@ def test_device_timeline_exposed_comm_and_idle_gaps(tmp_path):
     assert idle["by_phase_s"] == {"reward": pytest.approx(5 * 0.35)}
     assert d["found"] == [2, 3]  # device idle in reward 35% > 30%; comm 40% > 35%
     assert d["symptoms"][1]["values"]["gpu_idle_share"] == pytest.approx(0.35)
+
+
+def test_nccl_kernel_args_give_collective_and_bytes():
+    from verl_comm.profiler.core import _collective_args
+
+    args = {"Collective name": "allreduce", "In msg nelems": 1000, "dtype": "BFloat16",
+            "Group size": 2}  # fmt: skip
+    assert _collective_args(args) == {"collective": "allreduce", "group_size": 2, "in_bytes": 2000}
+    assert _collective_args({"In msg nelems": 10, "dtype": "Float"}) == {"in_bytes": 40}
+    assert _collective_args({"In msg nelems": "x", "dtype": "Float"}) == {}  # unknown -> left out
+    assert _collective_args({}) == {}
+
+
+def test_wire_bytes_leave_out_reducer_envelopes_and_count_nccl_input(tmp_path):
+    """The reducer's bucket record wraps its hook's: payload, not wire bytes. NCCL kernel
+    input bytes (from torch.profiler's args) are summed over the profiled steps."""
+    data = _synthetic([1.0] * 5, comm_s=[0.1] * 5)
+    t0 = data["steps"][0]["t0"]
+    data["comm"] = [
+        {"op": "bucket_reduce", "nbytes": 4000, "group_size": 2, "duration_s": 0.1,
+         "tag": "reducer/bucket0", "start_s": t0 + 0.1},
+        {"op": "int8", "nbytes": 1040, "group_size": 2, "duration_s": 0.09,
+         "tag": "hook/int8/bucket0", "start_s": t0 + 0.1},
+    ]  # fmt: skip
+    data["torch_comm"] = [
+        {"name": "ncclDevKernel_AllReduce", "t0": s["t0"] + 0.2, "t1": s["t0"] + 0.7,
+         "comm": True, "source": "kernel", "collective": "allreduce", "in_bytes": 512}
+        for s in data["steps"]
+    ] + [
+        {"name": "ncclDevKernel_AllReduce", "t0": t0 - 5.0, "t1": t0 - 4.9, "comm": True,
+         "source": "kernel", "collective": "allreduce", "in_bytes": 10**9},  # outside steps
+    ]  # fmt: skip
+    data["kernels"] = [
+        {"name": e["name"], "t0": e["t0"], "t1": e["t1"], "comm": True} for e in data["torch_comm"]
+    ]
+    m, d = _run(tmp_path, data)
+    assert m["comm"]["bytes_total"] == 1040 and m["comm"]["payload_bytes"] == 4000
+    assert m["comm"]["nccl_input_bytes"] == 5 * 512
+    assert m["comm"]["torch_ops"] == {"nccl allreduce": 6}
+    assert 3 in d["found"]  # 0.5 s of NCCL kernel time in each 1 s step
+    comm = d["symptoms"][2]
+    assert comm["values"]["hook_methods"] == ["int8"]
+    assert "already int8" in comm["remedy"][0]  # no "turn int8 on" advice when it is on

@@ -30,6 +30,10 @@ BACKWARD_PHASES = ("update_actor", "update_critic", "backward")
 HOST_PHASES = ("reward", "data", "dataload", "tokenize", "reward_scoring")
 ROLLOUT_PHASE = "gen"
 RESHARD_PHASE = "reshard"
+# Records that wrap other records (the reducer's per-bucket record around its comm hook's):
+# their ``nbytes`` is the bucket's payload, not wire bytes, so they are left out of the
+# wire-byte total and reported as payload.
+ENVELOPE_OPS = ("bucket_reduce",)
 
 
 def find_runs(path: str | Path) -> list[Path]:
@@ -160,8 +164,14 @@ def analyze_rank(data: dict) -> dict:
         d["bytes"] += int(r["nbytes"])
         d["time_s"] += float(r["duration_s"])
     torch_ops: dict[str, int] = defaultdict(int)
+    nccl_bytes = 0
     for e in data.get("torch_comm", []):
-        torch_ops[e["name"] if e["source"] != "kernel" else "nccl kernel"] += 1
+        if e["source"] == "kernel":
+            torch_ops[f"nccl {e['collective']}" if e.get("collective") else "nccl kernel"] += 1
+            if in_steps({"start_s": e["t0"]}):
+                nccl_bytes += int(e.get("in_bytes", 0))
+        else:
+            torch_ops[e["name"]] += 1
 
     # device idle gaps
     idle = None
@@ -215,7 +225,11 @@ def analyze_rank(data: dict) -> dict:
             "exposed_share_of_step": exposed / step_total if step_total > 0 else None,
             "exposed_note": exposed_note,
             "by_tag": by_tag,
-            "bytes_total": sum(d["bytes"] for d in by_tag.values()),
+            "bytes_total": sum(int(r["nbytes"]) for r in records if r["op"] not in ENVELOPE_OPS),
+            "payload_bytes": sum(int(r["nbytes"]) for r in records if r["op"] in ENVELOPE_OPS),
+            # input message bytes of the NCCL kernels in the profiled steps (every
+            # collective, ours and DeepSpeed's/torch's), from torch.profiler's kernel args
+            "nccl_input_bytes": nccl_bytes,
             "torch_ops": dict(torch_ops),
         },
         "gpu_idle": idle,
@@ -295,6 +309,7 @@ def flat_metrics(m: dict) -> dict[str, float]:
         "comm/share_of_backward": m["comm"]["share_of_backward"],
         "comm/exposed_share_of_step": m["comm"]["exposed_share_of_step"],
         "comm/bytes_total": m["comm"]["bytes_total"],
+        "comm/nccl_input_bytes": m["comm"].get("nccl_input_bytes") or None,
         "perf/host_phase_share": m["host_share"],
         "perf/gpu_idle_share": (m["gpu_idle"] or {}).get("share"),
         "rollout/latency_s_p50": m["rollout"]["p50"],

@@ -67,6 +67,35 @@ def _rss_bytes() -> int:
         return 0
 
 
+# Element sizes of the dtype names torch's profiler writes in NCCL kernel args.
+_DTYPE_BYTES = {
+    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Char": 1, "Byte": 1,
+    "Int": 4, "Long": 8, "Short": 2, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
+}  # fmt: skip
+
+
+def _collective_args(args: dict) -> dict:
+    """``collective``, ``group_size`` and ``in_bytes`` (input message bytes) of an NCCL
+    kernel event from the args torch's profiler attaches (``Collective name``, ``In msg
+    nelems``, ``dtype``, ``Group size``); keys whose source is absent are left out."""
+    out: dict = {}
+    if "Collective name" in args:
+        out["collective"] = str(args["Collective name"])
+    if "Group size" in args:
+        try:
+            out["group_size"] = int(args["Group size"])
+        except (TypeError, ValueError):
+            pass
+    size = _DTYPE_BYTES.get(str(args.get("dtype", "")))
+    try:
+        nelems = int(args["In msg nelems"])
+    except (KeyError, TypeError, ValueError):
+        nelems = None
+    if size is not None and nelems is not None:
+        out["in_bytes"] = nelems * size
+    return out
+
+
 class _Phase(AbstractContextManager):
     """An active phase range (see :meth:`VerlProfiler.phase`)."""
 
@@ -255,12 +284,12 @@ class VerlProfiler:
         if not self.enabled or self._started:
             return self
         self._started = True
+        dist = torch.distributed
+        ready = dist.is_available() and dist.is_initialized()
         if self._rank is None:
-            dist = torch.distributed
-            ready = dist.is_available() and dist.is_initialized()
             self._rank = dist.get_rank() if ready else 0
+        if self._world is None:
             self._world = dist.get_world_size() if ready else 1
-        self._world = self._world or 1
         self._rec_start = len(self.recorder.records)
         if self._want(self._step):
             self._activate()
@@ -375,7 +404,9 @@ class VerlProfiler:
                 rec = {"name": name[:80], "t0": t0, "t1": t1, "comm": comm}
                 self._torch_events["kernels"].append(rec)
                 if comm:
-                    self._torch_events["comm"].append({**rec, "source": "kernel"})
+                    self._torch_events["comm"].append(
+                        {**rec, "source": "kernel", **_collective_args(e.get("args") or {})}
+                    )
             elif name.startswith(("gloo:", "c10d::")):
                 src = "gloo" if name.startswith("gloo:") else "c10d"
                 self._torch_events["comm"].append({"name": name, "t0": t0, "t1": t1, "source": src})

@@ -185,12 +185,42 @@ def _comm(m: dict, th: Thresholds) -> dict:
         "gradient all-reduce volume too large for the link",
         "buckets too small or not overlapped",
     ]
+    methods = hook_methods(c["by_tag"])
+    values["hook_methods"] = sorted(methods)
+    if "lowrank_int8" in methods:
+        compress = (
+            "gradients are already sent as int8 low rank: a lower `compression_rank` cuts "
+            "bytes further (check convergence), or `policy: auto` per bucket"
+        )
+    elif "int8" in methods:
+        compress = (
+            "gradients are already int8 (0.26x fp32 bytes): int8 low rank "
+            "(`compression_rank: 128`, PowerSGD-style) sends far fewer bytes on a slow link; "
+            "`policy: auto` chooses per bucket"
+        )
+    else:
+        compress = (
+            "gradient compression: `gradient_compression: int8` (0.26x fp32 bytes) "
+            "or `policy: auto`"
+        )
     remedy = [
-        "gradient compression: `gradient_compression: int8` (0.26x fp32 bytes) or `policy: auto`",
+        compress,
         "larger buckets (bucket_cap_mb) so communication overlaps backward",
         "check the topology and NCCL preset: `verl-comm nccl lint`, `verl-comm nccl autotune`",
     ]
     return _symptom(3, "communication-bound", found, evidence, causes, remedy, values)
+
+
+def hook_methods(by_tag: dict[str, dict]) -> set[str]:
+    """Reduction methods our comm hooks recorded (``allreduce``, ``fp16``, ``bf16``,
+    ``int8``, ``lowrank_int8``), read from record keys ``"<op> hook/<method>/bucket<i>"``."""
+    out = set()
+    for key in by_tag:
+        tag = key.split(" ", 1)[-1]
+        parts = tag.split("/")
+        if len(parts) >= 3 and parts[0] == "hook":
+            out.add(parts[1])
+    return out
 
 
 def _rollout(m: dict, th: Thresholds) -> dict:

@@ -69,7 +69,17 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
         f"{_pct(c['share_of_backward'])} of backward ({bwd})",
         f"  exposed {_s(c['exposed_s'] / max(st['n'], 1))}/step = {_pct(c['exposed_share_of_step'])} "
         f"of step ({c['exposed_note']})",
-        f"  recorded bytes {c['bytes_total'] / 1e6:.1f} MB",
+        f"  recorded wire bytes {c['bytes_total'] / 1e6:.1f} MB"
+        + (
+            f" (gradient bucket payload {c['payload_bytes'] / 1e6:.1f} MB)"
+            if c.get("payload_bytes")
+            else ""
+        )
+        + (
+            f"; NCCL kernels' input {c['nccl_input_bytes'] / 1e6:.1f} MB"
+            if c.get("nccl_input_bytes")
+            else ""
+        ),
     ]
     for tag, d in sorted(c["by_tag"].items(), key=lambda kv: -kv[1]["time_s"])[:6]:
         lines.append(
