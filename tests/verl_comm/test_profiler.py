@@ -276,3 +276,40 @@ def test_wire_bytes_leave_out_reducer_envelopes_and_count_nccl_input(tmp_path):
     comm = d["symptoms"][2]
     assert comm["values"]["hook_methods"] == ["int8"]
     assert "already int8" in comm["remedy"][0]  # no "turn int8 on" advice when it is on
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_path_kernels_nccl_bytes_memory_snapshot(tmp_path):
+    """On a GPU: CUDA kernels land in the profile, an NCCL all-reduce (one-rank group) is
+    found as communication with its input bytes, memory is sampled per phase and the
+    ``torch.cuda.memory`` snapshot is written."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        a = torch.randn(2048, 2048, device="cuda")
+        g = torch.ones(1 << 20, device="cuda", dtype=torch.bfloat16)
+        prof = VerlProfiler(output_dir=tmp_path / "prof", steps=[1, 2, 3, 4, 5])
+        prof.start()
+        for _ in range(6):
+            with prof.phase("update_actor"):
+                for _ in range(20):
+                    a = (a @ a).clamp_(-1, 1)
+                dist.all_reduce(g)
+            prof.step()
+        prof.stop()
+    finally:
+        dist.destroy_process_group()
+    data = json.loads((tmp_path / "prof" / "profile_rank0.json").read_text())
+    assert data["meta"]["cuda"] and len(data["steps"]) == 5
+    comm = [e for e in data["torch_comm"] if e["source"] == "kernel"]
+    assert len(comm) == 5 and all(e.get("in_bytes") == 2 << 20 for e in comm), comm[:2]
+    assert any(not k["comm"] for k in data["kernels"])  # the matmuls
+    assert (tmp_path / "prof" / "memory_snapshot_rank0.pickle").stat().st_size > 0
+    m = analyze_run(tmp_path / "prof")
+    assert m["comm"]["source"].startswith("NCCL kernels")
+    assert m["comm"]["nccl_input_bytes"] == 5 * (2 << 20)
+    assert m["gpu_idle"] is not None and m["phases"]["update_actor"]["mem_peak"] > 0
