@@ -66,8 +66,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rollout-batch", type=int, default=128, help="sequences per step, global")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per fwd/bwd per rank")
     p.add_argument(
-        "--warmup", type=int, default=2,
-        help="unprofiled steps first (2: compression starts at start_iter=2 reductions)",
+        "--warmup", type=int, default=3,
+        help="unprofiled steps first (>= 3: compression starts after start_iter=2 reductions "
+        "and the last warm-up step is the baseline of the profiling cost)",
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument(
@@ -79,7 +80,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.smoke:
         a.shape, a.prompt_len, a.response_len = "tiny", 16, 8
-        a.rollout_batch, a.micro_batch, a.warmup, a.steps = 4, 2, 2, 2
+        a.rollout_batch, a.micro_batch, a.warmup, a.steps = 4, 2, 3, 2
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return a

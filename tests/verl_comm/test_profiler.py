@@ -60,6 +60,10 @@ def test_from_config_mapping_object_and_none(tmp_path):
 
 
 def test_steps_gating_and_profile_contents(tmp_path):
+    import torch
+
+    # on CUDA the profiler samples the CUDA allocator: hold something there
+    held = torch.ones(1 << 20, device="cuda") if torch.cuda.is_available() else None
     prof = VerlProfiler(output_dir=tmp_path, steps=[1, 2], torch_profiler=False)
     prof.start()
     for _ in range(4):
@@ -90,6 +94,7 @@ def test_steps_gating_and_profile_contents(tmp_path):
     assert m["rollout"]["source"] == "record_rollout" and m["rollout"]["p50"] == 0.5
     assert m["comm"]["share_of_backward"] == pytest.approx(1.0, abs=0.15)
     assert not (tmp_path / "trace_rank0.json").exists()
+    del held
 
 
 def test_chrome_trace_is_valid_json_and_report_runs(tmp_path, capsys):
@@ -313,3 +318,49 @@ def test_cuda_path_kernels_nccl_bytes_memory_snapshot(tmp_path):
     assert m["comm"]["source"].startswith("NCCL kernels")
     assert m["comm"]["nccl_input_bytes"] == 5 * (2 << 20)
     assert m["gpu_idle"] is not None and m["phases"]["update_actor"]["mem_peak"] > 0
+
+
+def test_idle_gpu_in_gen_names_launch_bound_decoding_and_cuda_graphs(tmp_path):
+    """Device idle inside 'gen' (many short kernels with gaps) -> CUDA-graph decoding."""
+    steps, phases, kernels = [], [], []
+    t = 10.0
+    for i in range(5):
+        steps.append({"step": i, "t0": t, "t1": t + 1.0})
+        phases.append({"name": "gen", "step": i, "depth": 0, "t0": t, "t1": t + 0.7})
+        phases.append({"name": "update_actor", "step": i, "depth": 0, "t0": t + 0.7, "t1": t + 1})
+        for j in range(70):  # 2 ms kernels every 10 ms: 80% of gen idle
+            kernels.append({"name": "gemv", "t0": t + 0.01 * j, "t1": t + 0.01 * j + 0.002,
+                            "comm": False})  # fmt: skip
+        kernels.append({"name": "gemm", "t0": t + 0.7, "t1": t + 1.0, "comm": False})
+        t += 1.0
+    meta = {"rank": 0, "world_size": 1, "device": "H200", "cuda": True, "overhead_s": 0.0}
+    data = {"meta": meta, "steps": steps, "phases": phases, "comm": [], "torch_comm": [],
+            "kernels": kernels}  # fmt: skip
+    m, d = _run(tmp_path, data)
+    assert m["gpu_idle"]["share"] == pytest.approx(0.7 * 0.8, abs=0.01)
+    assert m["gpu_idle"]["kernel_count"] == 5 * 71
+    assert m["gpu_idle"]["top_kernels"][0]["name"] == "gemm"
+    sym = d["symptoms"][1]
+    assert sym["found"] and "kernel-launch-bound decoding" in sym["likely_causes"][0]
+    assert "rollout.use_cuda_graph: true" in sym["remedy"][0]
+    # the same profile written without per-kernel data (the default) reports the same
+    from verl_comm.profiler.analysis import _comm_intervals, device_summary
+
+    summary = device_summary(kernels, _comm_intervals(data)[0], [(s["t0"], s["t1"]) for s in steps],
+                             phases)  # fmt: skip
+    m2, d2 = _run(tmp_path, {**data, "kernels": [], "device": summary})
+    assert m2["gpu_idle"]["share"] == pytest.approx(m["gpu_idle"]["share"])
+    assert d2["found"] == d["found"]
+
+
+def test_in_step_overhead_baseline_is_the_step_before_profiling():
+    from verl_comm.profiler.analysis import _in_step_overhead
+
+    wall = [{"s": 9.0, "profiled": False}, {"s": 5.0, "profiled": False},
+            {"s": 1.0, "profiled": False}, {"s": 1.5, "profiled": True},
+            {"s": 1.5, "profiled": True}]  # fmt: skip
+    o = _in_step_overhead(wall)
+    assert o["unprofiled_p50_s"] == 1.0 and o["profiled_p50_s"] == 1.5
+    assert o["in_step_slowdown"] == pytest.approx(0.5) and o["unprofiled_steps"] == 1
+    assert _in_step_overhead(wall[:1] + wall[3:]) == {}  # only the cold first step before
+    assert _in_step_overhead(wall[:1] + wall[3:] + [{"s": 1.2, "profiled": False}]) != {}

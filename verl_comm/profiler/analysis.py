@@ -18,6 +18,7 @@ Breakdowns are those of rank 0 unless stated (``per_rank`` keeps every rank's sh
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -83,6 +84,59 @@ def _stats(values) -> dict:
     }
 
 
+def device_summary(
+    kernels: list[dict], comm_iv: list[iv.Interval], windows: list[iv.Interval], top: list[dict]
+) -> dict:
+    """What the report needs from a device timeline, so that a profile need not keep every
+    kernel (a profiled PPO step launches ~10^5 of them).
+
+    Args:
+        kernels: ``{"name", "t0", "t1", "comm"}`` per device kernel/memcpy (seconds).
+        comm_iv: communication intervals (union of the NCCL kernels).
+        windows: ``(t0, t1)`` of the profiled steps; top: top-level phase dicts.
+
+    Returns:
+        ``exposed_comm_s`` (communication with no compute kernel running),
+        ``idle_total_s`` / ``idle_by_phase_s`` / ``largest_gaps`` (times inside the windows
+        when no kernel runs, attributed to the phase holding the gap's middle),
+        ``busy_s``, ``kernel_count`` and ``top_kernels`` (15 names with most device time).
+    """
+    compute = [(k["t0"], k["t1"]) for k in kernels if not k.get("comm")]
+    exposed = sum(iv.total(iv.clip(iv.subtract(comm_iv, compute), a, b)) for a, b in windows)
+    busy = iv.union((k["t0"], k["t1"]) for k in kernels)
+    phases = sorted(((p["t0"], p["t1"], p["name"]) for p in top), key=lambda x: x[0])
+    starts = [p[0] for p in phases]
+    by_phase: dict[str, float] = defaultdict(float)
+    largest: list[dict] = []
+    idle_total = 0.0
+    for a, b in windows:
+        for g0, g1 in iv.gaps(busy, a, b):
+            mid = 0.5 * (g0 + g1)
+            j = bisect.bisect_right(starts, mid) - 1
+            where = phases[j][2] if j >= 0 and phases[j][1] >= mid else "(between phases)"
+            by_phase[where] += g1 - g0
+            idle_total += g1 - g0
+            largest.append({"t0": g0, "t1": g1, "dur_s": g1 - g0, "phase": where})
+            if len(largest) > 64:
+                largest = sorted(largest, key=lambda g: -g["dur_s"])[:5]
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for k in kernels:
+        if any(a <= k["t0"] <= b for a, b in windows):
+            d = per_name[k["name"]]
+            d[0] += 1
+            d[1] += k["t1"] - k["t0"]
+    top_k = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:15]
+    return {
+        "exposed_comm_s": exposed,
+        "idle_total_s": idle_total,
+        "idle_by_phase_s": dict(by_phase),
+        "largest_gaps": sorted(largest, key=lambda g: -g["dur_s"])[:5],
+        "busy_s": sum(iv.total(iv.clip(busy, a, b)) for a, b in windows),
+        "kernel_count": int(sum(v[0] for v in per_name.values())),
+        "top_kernels": [{"name": n, "count": int(c), "time_s": t} for n, (c, t) in top_k],
+    }
+
+
 def _comm_intervals(data: dict) -> tuple[list[iv.Interval], str]:
     """Communication intervals and their source description."""
     kernels = [
@@ -97,6 +151,31 @@ def _comm_intervals(data: dict) -> tuple[list[iv.Interval], str]:
     ]
     work = [(e["t0"], e["t1"]) for e in data.get("torch_comm", []) if e.get("source") == "gloo"]
     return iv.union(rec + work), "CommRecorder records + torch gloo work events (host blocking)"
+
+
+def _in_step_overhead(wall: list[dict]) -> dict:
+    """Profiled vs unprofiled step wall time of one rank: ``unprofiled_p50_s``,
+    ``profiled_p50_s`` and ``in_step_slowdown`` (profiled / unprofiled - 1), the cost of
+    profiling inside the step (torch.profiler, CUDA syncs, memory history). The baseline
+    is the unprofiled step just before the first profiled one plus unprofiled steps after
+    the last: earlier steps may still warm up (allocation, compilation, a compression
+    hook's plain all-reduce before ``start_iter``). Empty when the step before profiling
+    is the first one and none follows."""
+    idx = [i for i, w in enumerate(wall) if w["profiled"]]
+    if not idx:
+        return {}
+    base = [wall[idx[0] - 1]["s"]] if idx[0] >= 2 else []
+    base += [w["s"] for w in wall[idx[-1] + 1 :] if not w["profiled"]]
+    prof = [wall[i]["s"] for i in idx]
+    if not base:
+        return {}
+    b, p = float(np.median(base)), float(np.median(prof))
+    return {
+        "unprofiled_steps": len(base),
+        "unprofiled_p50_s": b,
+        "profiled_p50_s": p,
+        "in_step_slowdown": p / b - 1.0 if b > 0 else None,
+    }
 
 
 def analyze_rank(data: dict) -> dict:
@@ -143,9 +222,9 @@ def analyze_rank(data: dict) -> dict:
     bwd_total = iv.total(bwd)
     comm_bwd = sum(iv.total(iv.clip(comm_iv, a, b)) for a, b in iv.union(bwd))
     kernels = data.get("kernels", [])
-    if kernels:
-        compute = [(k["t0"], k["t1"]) for k in kernels if not k.get("comm")]
-        exposed = sum(iv.total(iv.clip(iv.subtract(comm_iv, compute), a, b)) for a, b in windows)
+    dev = device_summary(kernels, comm_iv, windows, top) if kernels else data.get("device")
+    if dev:
+        exposed = dev["exposed_comm_s"]
         exposed_note = "NCCL kernel time with no compute kernel running"
     else:
         exposed = comm_total
@@ -175,25 +254,15 @@ def analyze_rank(data: dict) -> dict:
 
     # device idle gaps
     idle = None
-    if kernels:
-        dev = [(k["t0"], k["t1"]) for k in kernels]
-        all_gaps = []
-        for a, b in windows:
-            for g0, g1 in iv.gaps(dev, a, b):
-                mid = 0.5 * (g0 + g1)
-                where = next(
-                    (p["name"] for p in top if p["t0"] <= mid <= p["t1"]), "(between phases)"
-                )
-                all_gaps.append({"t0": g0, "t1": g1, "dur_s": g1 - g0, "phase": where})
-        by_phase: dict[str, float] = defaultdict(float)
-        for g in all_gaps:
-            by_phase[g["phase"]] += g["dur_s"]
-        idle_total = sum(g["dur_s"] for g in all_gaps)
+    if dev:
         idle = {
-            "total_s": idle_total,
-            "share": idle_total / step_total if step_total > 0 else None,
-            "by_phase_s": dict(by_phase),
-            "largest": sorted(all_gaps, key=lambda g: -g["dur_s"])[:5],
+            "total_s": dev["idle_total_s"],
+            "share": dev["idle_total_s"] / step_total if step_total > 0 else None,
+            "by_phase_s": dev["idle_by_phase_s"],
+            "largest": dev["largest_gaps"],
+            "kernel_count": dev["kernel_count"],
+            "busy_s": dev["busy_s"],
+            "top_kernels": dev["top_kernels"],
         }
 
     # rollout, reshard, host phases
@@ -244,6 +313,7 @@ def analyze_rank(data: dict) -> dict:
         "overhead": {
             "bookkeeping_s": meta.get("overhead_s", 0.0),
             "share_of_step": (meta.get("overhead_s", 0.0) / step_total) if step_total > 0 else None,
+            **_in_step_overhead(data.get("step_wall", [])),
         },
         "memory_timeline": data.get("memory", []),
     }
@@ -317,6 +387,7 @@ def flat_metrics(m: dict) -> dict[str, float]:
         "reshard/time_s_per_step": m["reshard"]["per_step_s"],
         "reshard/bytes": m["reshard"]["bytes"],
         "profile/overhead_share": m["overhead"]["share_of_step"],
+        "profile/in_step_slowdown": m["overhead"].get("in_step_slowdown"),
     }
     for name, d in m["phases"].items():
         out[f"timing_s/{name}"] = d["per_step_s"]

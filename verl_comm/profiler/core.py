@@ -168,6 +168,10 @@ class VerlProfiler:
         sync_ranks: when distributed, align ranks with a one-element all_reduce when
             profiling (re)starts, so per-rank start-up skew is not measured as a wait.
         rank, world_size: default from ``torch.distributed`` when initialised, else 0/1.
+        keep_kernels: write every device kernel into ``profile_rank{r}.json``; by default
+            only their summary (idle gaps by phase, exposed communication, busy time, top
+            kernels; see :func:`~verl_comm.profiler.analysis.device_summary`) is kept, since
+            a PPO step launches ~10^5 kernels. The Chrome trace keeps them all anyway.
 
     Raises:
         ValueError: on a negative step index.
@@ -187,6 +191,7 @@ class VerlProfiler:
         sync_ranks: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
+        keep_kernels: bool = False,
     ) -> None:
         self.enabled = bool(enabled)
         self.record_memory = bool(record_memory)
@@ -205,6 +210,8 @@ class VerlProfiler:
         self._cuda_sync_opt = cuda_sync
         self.sync_ranks = sync_ranks
         self._rank, self._world = rank, world_size
+        self.keep_kernels = bool(keep_kernels)
+        self._wall: list[dict] = []  # every step's wall time, profiled or not
         self._step = 0
         self._started = self._stopped = False
         self._active = False
@@ -248,6 +255,7 @@ class VerlProfiler:
             torch_profiler=get("torch_profiler", True),
             cuda_sync=get("cuda_sync", True),
             sync_ranks=get("sync_ranks", True),
+            keep_kernels=get("keep_kernels", False),
             rank=rank,
         )
 
@@ -338,11 +346,12 @@ class VerlProfiler:
             self._step += 1
             return
         t = time.perf_counter()
+        if self._cuda_sync:  # also unprofiled steps: their times are the overhead baseline
+            torch.cuda.synchronize()
+            t = time.perf_counter()
         if self._active:
-            if self._cuda_sync:
-                torch.cuda.synchronize()
-                t = time.perf_counter()
             self._steps.append({"step": self._step, "t0": self._step_t0, "t1": t})
+        self._wall.append({"step": self._step, "s": t - self._step_t0, "profiled": self._active})
         self._step += 1
         self._step_t0 = t
         want = self._want(self._step)
@@ -483,10 +492,24 @@ class VerlProfiler:
             "phases": self._phases,
             "comm": comm,
             "torch_comm": self._torch_events["comm"] if self.record_communication else [],
-            "kernels": self._torch_events["kernels"],
+            "kernels": self._torch_events["kernels"] if self.keep_kernels else [],
+            "device": self._device_summary(),
+            "step_wall": self._wall,
             "memory": self._memory,
             "rollouts": self._rollouts,
         }
+
+    def _device_summary(self) -> dict | None:
+        """Summary of the device timeline over the profiled steps (None without kernels)."""
+        kernels = self._torch_events["kernels"]
+        if not kernels:
+            return None
+        from verl_comm.profiler.analysis import _comm_intervals, device_summary
+
+        comm_iv, _ = _comm_intervals({"torch_comm": self._torch_events["comm"], "comm": []})
+        windows = [(s["t0"], s["t1"]) for s in self._steps]
+        top = [p for p in self._phases if p.get("depth", 0) == 0]
+        return device_summary(kernels, comm_iv, windows, top)
 
     def __enter__(self) -> VerlProfiler:
         return self.start()

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from verl_comm.profiler.analysis import HOST_PHASES
+from verl_comm.profiler.analysis import HOST_PHASES, ROLLOUT_PHASE
 
 
 @dataclass
@@ -137,13 +137,39 @@ def _host_bound(m: dict, th: Thresholds) -> dict:
         found = found or idle["share"] > th.idle_share
     if host_phases:
         parts.append(", ".join(f"{n} {s:.0%}" for n, s in sorted(host_phases.items())))
-    causes = []
+    causes, remedy = [], []
+    idle_by = sorted(((idle or {}).get("by_phase_s") or {}).items(), key=lambda kv: -kv[1])
+    idle_total = sum(t for _, t in idle_by)
+    worst, worst_s = idle_by[0] if idle_by else (None, 0.0)
+    n = max(m["steps"]["n"], 1)
+    if worst is not None and worst_s > 0.5 * idle_total and worst not in HOST_PHASES:
+        # the device waits inside a device phase: the host cannot launch kernels fast enough
+        where = f"{worst_s / n:.3f} s/step of the idle time ({worst_s / idle_total:.0%}) is in"
+        if worst == ROLLOUT_PHASE:
+            causes.append(
+                f"kernel-launch-bound decoding: {where} '{worst}', where each decode step "
+                "launches hundreds of small kernels and the GPU waits on the host"
+            )
+            remedy += [
+                "decode with CUDA graphs (`rollout.use_cuda_graph: true`): one graph replay "
+                "per decode step instead of hundreds of launches",
+                "decode more sequences at once (`rollout.micro_batch_size`)",
+            ]
+        else:
+            causes.append(
+                f"small kernels in '{worst}': {where} it; micro-batches too small to fill "
+                "the GPU, or Python overhead between kernels"
+            )
+            remedy.append(
+                "larger micro-batches (`train.micro_batch_size`) or a token budget "
+                "(`train.max_tokens_per_micro_batch`), `train.sequence_packing: true`"
+            )
     if host_phases.get("reward"):
         causes.append("reward scoring on the host blocks the step")
     causes += ["data loading / tokenization on the critical path", "padding imbalance across ranks"]
-    remedy = [
-        "score rewards asynchronously (reward path `async: true`, the exact-key cache) "
-        "so scoring overlaps generation",
+    remedy += [
+        "score rewards asynchronously (`reward.async_scoring: true`; `reward.cache_entries` "
+        "for the exact-key cache) so scoring overlaps generation",
         "pack sequences / dynamic batching to cut padding",
         "prefetch and tokenize in background threads",
     ]

@@ -99,8 +99,18 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
         lines.append("\nGPU idle gaps: n/a (no device kernels in the trace)")
     else:
         lines.append(f"\nGPU idle gaps: {_s(idle['total_s'])} = {_pct(idle['share'])} of step time")
+        n = max(metrics["steps"]["n"], 1)
         for ph, t in sorted(idle["by_phase_s"].items(), key=lambda kv: -kv[1])[:5]:
-            lines.append(f"    in {ph:<20} {t:.4f} s")
+            lines.append(f"    in {ph:<20} {t / n:.4f} s/step")
+        if idle.get("kernel_count"):
+            lines.append(
+                f"  device busy {_s(idle['busy_s'] / n)}/step, "
+                f"{idle['kernel_count'] / n:.0f} kernels/step; most device time:"
+            )
+            for k in idle.get("top_kernels", [])[:5]:
+                lines.append(
+                    f"    {k['name'][:60]:<60} n={k['count']:<7} {k['time_s'] / n:.4f} s/step"
+                )
     r, rs = metrics["rollout"], metrics["reshard"]
     lines += [
         f"rollout latency ({r['source']}): n={r['n']} P50 {_s(r['p50'])} P99 {_s(r['p99'])}",
@@ -108,6 +118,15 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
         f"{rs['bytes'] / 1e6:.1f} MB recorded",
         f"profiler bookkeeping: {_s(metrics['overhead']['bookkeeping_s'], '.4f')} "
         f"({_pct(metrics['overhead']['share_of_step'])} of profiled time)",
+    ]
+    ov = metrics["overhead"]
+    if ov.get("in_step_slowdown") is not None:
+        lines.append(
+            f"profiling cost inside steps: profiled step P50 {_s(ov['profiled_p50_s'])} vs "
+            f"{_s(ov['unprofiled_p50_s'])} unprofiled ({ov['unprofiled_steps']} steps): "
+            f"{ov['in_step_slowdown']:+.0%}; phase times above include it"
+        )
+    lines += [
         "",
         "diagnosis:",
     ]
