@@ -50,6 +50,9 @@ for comp in "${COMPS[@]}"; do
   rc=$?
   say "## $name rc=$rc in $(($(date +%s) - t0)) s"
   [ $rc -eq 0 ] || status=1
+  # a run stopped by the timeout leaves its large Chrome traces / memory snapshots behind
+  rm -rf "$OUT/profile/$name"/trace_rank*.json "$OUT/profile/$name"/memory_snapshot_* \
+    "$OUT/profile/$name/_run"
   [ -f "$OUT/profile/$name/report.txt" ] && cat "$OUT/profile/$name/report.txt"
 done
 python3 benchmarks/profile_ppo.py --compare --out "$OUT" | tee -a "$LOG"
