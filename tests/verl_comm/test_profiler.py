@@ -387,3 +387,24 @@ def test_in_step_overhead_baseline_is_the_step_before_profiling():
     assert o["in_step_slowdown"] == pytest.approx(0.5) and o["unprofiled_steps"] == 1
     assert _in_step_overhead(wall[:1] + wall[3:]) == {}  # only the cold first step before
     assert _in_step_overhead(wall[:1] + wall[3:] + [{"s": 1.2, "profiled": False}]) != {}
+
+
+def test_idle_gpu_spread_over_update_phases_names_small_kernels(tmp_path):
+    steps, phases, kernels = [], [], []
+    t = 10.0
+    for i in range(5):
+        steps.append({"step": i, "t0": t, "t1": t + 1.0})
+        for k, name in enumerate(("gen", "update_critic", "update_actor")):
+            a = t + k / 3
+            phases.append({"name": name, "step": i, "depth": 0, "t0": a, "t1": a + 1 / 3})
+            busy = 0.3 if name == "gen" else 0.1  # updates idle 2/3 of their time
+            kernels.append({"name": "k", "t0": a, "t1": a + busy, "comm": False})
+        t += 1.0
+    meta = {"rank": 0, "world_size": 1, "device": "H200", "cuda": True, "overhead_s": 0.0}
+    data = {"meta": meta, "steps": steps, "phases": phases, "comm": [], "torch_comm": [],
+            "kernels": kernels}  # fmt: skip
+    m, d = _run(tmp_path, data)
+    sym = d["symptoms"][1]
+    assert sym["found"] and sym["likely_causes"][0].startswith("small kernels inside device")
+    assert "'update_critic'" in sym["likely_causes"][0] and len(sym["likely_causes"]) == 1
+    assert "train.micro_batch_size" in sym["remedy"][0]

@@ -31,6 +31,7 @@ BACKWARD_PHASES = ("update_actor", "update_critic", "backward")
 HOST_PHASES = ("reward", "data", "dataload", "tokenize", "reward_scoring")
 ROLLOUT_PHASE = "gen"
 RESHARD_PHASE = "reshard"
+BETWEEN_PHASES = "(between phases)"  # where idle time outside every top-level phase goes
 # Records that wrap other records (the reducer's per-bucket record around its comm hook's):
 # their ``nbytes`` is the bucket's payload, not wire bytes, so they are left out of the
 # wire-byte total and reported as payload.
@@ -113,7 +114,7 @@ def device_summary(
         for g0, g1 in iv.gaps(busy, a, b):
             mid = 0.5 * (g0 + g1)
             j = bisect.bisect_right(starts, mid) - 1
-            where = phases[j][2] if j >= 0 and phases[j][1] >= mid else "(between phases)"
+            where = phases[j][2] if j >= 0 and phases[j][1] >= mid else BETWEEN_PHASES
             by_phase[where] += g1 - g0
             idle_total += g1 - g0
             largest.append({"t0": g0, "t1": g1, "dur_s": g1 - g0, "phase": where})
@@ -223,7 +224,7 @@ def analyze_rank(data: dict) -> dict:
     comm_bwd = sum(iv.total(iv.clip(comm_iv, a, b)) for a, b in iv.union(bwd))
     kernels = data.get("kernels", [])
     dev = device_summary(kernels, comm_iv, windows, top) if kernels else data.get("device")
-    if dev:
+    if dev and comm_source.startswith("NCCL"):
         exposed = dev["exposed_comm_s"]
         exposed_note = "NCCL kernel time with no compute kernel running"
     else:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from verl_comm.profiler.analysis import HOST_PHASES, ROLLOUT_PHASE
+from verl_comm.profiler.analysis import BETWEEN_PHASES, HOST_PHASES, ROLLOUT_PHASE
 
 
 @dataclass
@@ -138,16 +138,18 @@ def _host_bound(m: dict, th: Thresholds) -> dict:
     if host_phases:
         parts.append(", ".join(f"{n} {s:.0%}" for n, s in sorted(host_phases.items())))
     causes, remedy = [], []
-    idle_by = sorted(((idle or {}).get("by_phase_s") or {}).items(), key=lambda kv: -kv[1])
-    idle_total = sum(t for _, t in idle_by)
-    worst, worst_s = idle_by[0] if idle_by else (None, 0.0)
     n = max(m["steps"]["n"], 1)
-    if worst is not None and worst_s > 0.5 * idle_total and worst not in HOST_PHASES:
-        # the device waits inside a device phase: the host cannot launch kernels fast enough
-        where = f"{worst_s / n:.3f} s/step of the idle time ({worst_s / idle_total:.0%}) is in"
-        if worst == ROLLOUT_PHASE:
+    idle_by = dict((idle or {}).get("by_phase_s") or {})
+    idle_total = sum(idle_by.values())
+    device_idle = {k: v for k, v in idle_by.items() if k not in HOST_PHASES and k != BETWEEN_PHASES}
+    ranked = sorted(device_idle.items(), key=lambda kv: -kv[1])
+    if idle_total > 0 and sum(device_idle.values()) > 0.5 * idle_total:
+        # the device waits inside device phases: the host cannot launch kernels fast enough
+        worst, worst_s = ranked[0]
+        if worst == ROLLOUT_PHASE and worst_s > 0.5 * idle_total:
             causes.append(
-                f"kernel-launch-bound decoding: {where} '{worst}', where each decode step "
+                f"kernel-launch-bound decoding: {worst_s / n:.3f} s/step of the idle time "
+                f"({worst_s / idle_total:.0%}) is in '{worst}', where each decode step "
                 "launches hundreds of small kernels and the GPU waits on the host"
             )
             remedy += [
@@ -156,23 +158,39 @@ def _host_bound(m: dict, th: Thresholds) -> dict:
                 "decode more sequences at once (`rollout.micro_batch_size`)",
             ]
         else:
+            where = ", ".join(f"'{k}' {v / n:.3f} s/step" for k, v in ranked[:3])
             causes.append(
-                f"small kernels in '{worst}': {where} it; micro-batches too small to fill "
-                "the GPU, or Python overhead between kernels"
+                f"small kernels inside device phases ({where} idle): micro-batches too small "
+                "to fill the GPU, or Python/optimizer overhead between kernels"
             )
             remedy.append(
                 "larger micro-batches (`train.micro_batch_size`) or a token budget "
                 "(`train.max_tokens_per_micro_batch`), `train.sequence_packing: true`"
             )
-    if host_phases.get("reward"):
-        causes.append("reward scoring on the host blocks the step")
-    causes += ["data loading / tokenization on the critical path", "padding imbalance across ranks"]
-    remedy += [
-        "score rewards asynchronously (`reward.async_scoring: true`; `reward.cache_entries` "
-        "for the exact-key cache) so scoring overlaps generation",
-        "pack sequences / dynamic batching to cut padding",
-        "prefetch and tokenize in background threads",
-    ]
+    reward_share = host_phases.get("reward") or 0.0
+    if host > th.host_share or reward_share > 0.05:
+        causes.append(f"reward scoring / host phases on the critical path ({host:.0%} of the step)")
+        remedy.append(
+            "score rewards asynchronously (`reward.async_scoring: true`; `reward.cache_entries` "
+            "for the exact-key cache) so scoring overlaps generation"
+        )
+    between = idle_by.get(BETWEEN_PHASES, 0.0)
+    if idle_total > 0 and between > 0.3 * idle_total:
+        causes.append(
+            f"host work between phases ({between / n:.3f} s/step idle outside any phase): "
+            "data loading, tokenization, Python bookkeeping"
+        )
+        remedy.append("prefetch and tokenize in background threads")
+    if len(m.get("per_rank", [])) > 1:
+        causes.append("padding imbalance across ranks (ranks wait for the longest batch)")
+        remedy.append("pack sequences / dynamic batching to cut padding")
+    if not causes:
+        causes += ["data loading / tokenization on the critical path", "padding imbalance"]
+        remedy += [
+            "score rewards asynchronously (`reward.async_scoring: true`)",
+            "pack sequences / dynamic batching to cut padding",
+            "prefetch and tokenize in background threads",
+        ]
     return _symptom(
         2, "accelerator idle while the host works", found, "; ".join(parts), causes, remedy, values
     )
