@@ -126,6 +126,13 @@ class Setup:
     model_dir: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> Setup:
+        """From parsed options (:func:`add_workload_args` plus ``warmup``, ``steps``)."""
+        names = ("shape", "layers", "prompt_len", "response_len", "rollout_batch")
+        names += ("micro_batch", "warmup", "steps", "model_dir")
+        return cls(**{n: getattr(a, n) for n in names})
+
     def model_fields(self) -> dict[str, Any]:
         """HF config fields of the model (``model_type`` included)."""
         fields = dict(SHAPES[self.shape])
@@ -659,11 +666,9 @@ def write_report(out: Path) -> dict[str, Any] | None:
 
 
 # ----------------------------------------------------------------- CLI
-def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 1+1 steps, for CI")
-    p.add_argument("--system", choices=("verl_ppo", "trl_ppo", "both"), default="both")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output folder")
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload's options (model folder and shape, lengths, batch sizes); shared with
+    ``benchmarks/profile_ppo.py``."""
     p.add_argument("--model-dir", default=None, help="config.json + tokenizer folder")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen05b")
     p.add_argument("--layers", type=int, default=None, help="override the shape's depth")
@@ -671,12 +676,20 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--rollout-batch", type=int, default=128, help="sequences per step, global")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per fwd/bwd per rank")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="verl_ppo config override, e.g. actor.zero_stage=2 (repeatable)",
+        help="verl_ppo config override, e.g. gradient_compression=int8 (repeatable)",
     )  # fmt: skip
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 1+1 steps, for CI")
+    p.add_argument("--system", choices=("verl_ppo", "trl_ppo", "both"), default="both")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output folder")
+    add_workload_args(p)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--report", action="store_true", help="only write the markdown report")
     p.add_argument("--export-tokenizer", metavar="DIR", help="write the tokenizer folder, exit")
     a = p.parse_args(argv)
@@ -698,17 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from verl_ppo.config import parse_overrides
 
-    s = Setup(
-        shape=a.shape,
-        layers=a.layers,
-        prompt_len=a.prompt_len,
-        response_len=a.response_len,
-        rollout_batch=a.rollout_batch,
-        micro_batch=a.micro_batch,
-        warmup=a.warmup,
-        steps=a.steps,
-        model_dir=a.model_dir,
-    )
+    s = Setup.from_args(a)
     systems = ["verl_ppo", "trl_ppo"] if a.system == "both" else [a.system]
     status = 0
     for system in systems:

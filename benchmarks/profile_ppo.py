@@ -55,26 +55,16 @@ HEADLINE = (
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 1+2 steps, for CI")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 3+2 steps, for CI")
     p.add_argument("--out", default=str(pt.REPO / "benchmarks" / "results"), help="output folder")
     p.add_argument("--name", default=None, help="run name (default: device_compression)")
-    p.add_argument("--model-dir", default=None, help="config.json + tokenizer folder")
-    p.add_argument("--shape", choices=sorted(pt.SHAPES), default="qwen05b")
-    p.add_argument("--layers", type=int, default=None, help="override the shape's depth")
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--response-len", type=int, default=256)
-    p.add_argument("--rollout-batch", type=int, default=128, help="sequences per step, global")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per fwd/bwd per rank")
+    pt.add_workload_args(p)
     p.add_argument(
         "--warmup", type=int, default=3,
         help="unprofiled steps first (>= 3: compression starts after start_iter=2 reductions "
         "and the last warm-up step is the baseline of the profiling cost)",
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="verl_ppo config override, e.g. gradient_compression=int8 (repeatable)",
-    )  # fmt: skip
     p.add_argument("--keep-traces", action="store_true", help="keep Chrome traces/snapshots")
     p.add_argument("--compare", action="store_true", help="only write OUT/profile_ppo.md")
     a = p.parse_args(argv)
@@ -125,17 +115,7 @@ def profile_run(a: argparse.Namespace) -> Path:
     kind = "cuda" if pt.torch.cuda.is_available() else "cpu"
     name = a.name or f"{kind}x{world_env}_{comp or 'none'}"
     run_dir = Path(a.out).resolve() / "profile" / name
-    s = pt.Setup(
-        shape=a.shape,
-        layers=a.layers,
-        prompt_len=a.prompt_len,
-        response_len=a.response_len,
-        rollout_batch=a.rollout_batch,
-        micro_batch=a.micro_batch,
-        warmup=a.warmup,
-        steps=a.steps,
-        model_dir=a.model_dir,
-    )
+    s = pt.Setup.from_args(a)
     s.overrides = {
         **overrides,
         "profiler.enable": True,
