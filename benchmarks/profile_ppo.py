@@ -46,7 +46,7 @@ HEADLINE = (
     ("comm/share_of_backward", "fraction"),
     ("comm/exposed_share_of_step", "fraction"),
     ("comm/bytes_total", "bytes"),
-    ("comm/nccl_input_bytes", "bytes"),
+    ("comm/torch_input_bytes", "bytes"),
     ("perf/gpu_idle_share", "fraction"),
     ("rollout/latency_s_p99", "s"),
     ("profile/overhead_share", "fraction"),

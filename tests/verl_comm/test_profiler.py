@@ -251,6 +251,18 @@ def test_nccl_kernel_args_give_collective_and_bytes():
     assert _collective_args({}) == {}
 
 
+def test_gloo_work_event_shapes_give_bytes():
+    from verl_comm.profiler.core import _gloo_input_bytes
+
+    args = {"Input Dims": [[4, 10]], "Input type": ["c10::BFloat16"]}
+    assert _gloo_input_bytes(args) == {"in_bytes": 80}
+    assert _gloo_input_bytes({"Input Dims": [[7]], "Input type": ["signed char"]}) == {
+        "in_bytes": 7
+    }
+    assert _gloo_input_bytes({"Input Dims": [[7]], "Input type": ["mystery"]}) == {}
+    assert _gloo_input_bytes({}) == {}
+
+
 def test_wire_bytes_leave_out_reducer_envelopes_and_count_nccl_input(tmp_path):
     """The reducer's bucket record wraps its hook's: payload, not wire bytes. NCCL kernel
     input bytes (from torch.profiler's args) are summed over the profiled steps."""
@@ -275,7 +287,7 @@ def test_wire_bytes_leave_out_reducer_envelopes_and_count_nccl_input(tmp_path):
     ]
     m, d = _run(tmp_path, data)
     assert m["comm"]["bytes_total"] == 1040 and m["comm"]["payload_bytes"] == 4000
-    assert m["comm"]["nccl_input_bytes"] == 5 * 512
+    assert m["comm"]["torch_input_bytes"] == 5 * 512
     assert m["comm"]["torch_ops"] == {"nccl allreduce": 6}
     assert 3 in d["found"]  # 0.5 s of NCCL kernel time in each 1 s step
     comm = d["symptoms"][2]
@@ -340,7 +352,7 @@ def test_nccl_kernels_are_communication_with_their_bytes(tmp_path):
     assert len(comm) == 3 and all(e.get("in_bytes") == 2 << 20 for e in comm), comm[:2]
     m = analyze_run(tmp_path / "prof")
     assert m["comm"]["source"].startswith("NCCL kernels")
-    assert m["comm"]["nccl_input_bytes"] == 3 * (2 << 20)
+    assert m["comm"]["torch_input_bytes"] == 3 * (2 << 20)
 
 
 def test_idle_gpu_in_gen_names_launch_bound_decoding_and_cuda_graphs(tmp_path):

@@ -215,6 +215,8 @@ def test_oversized_allreduce_is_attributed_and_named(profiled):
     assert m["comm"]["per_step_s"] == pytest.approx(injected, rel=0.1)
     assert m["comm"]["bytes_total"] == STEPS * BIG_NUMEL * 4
     assert m["comm"]["torch_ops"]  # torch's own c10d/gloo records were read too
+    # ... with their bytes (record_shapes on CPU): the big all-reduce and small ones
+    assert STEPS * BIG_NUMEL * 4 <= m["comm"]["torch_input_bytes"] < 1.01 * STEPS * BIG_NUMEL * 4
     assert 3 in res["diagnosis"]["found"], res["diagnosis"]["symptoms"][2]["evidence"]
     assert 2 not in res["diagnosis"]["found"]
     assert any("int8" in r for r in res["diagnosis"]["symptoms"][2]["remedy"])

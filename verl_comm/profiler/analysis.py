@@ -244,14 +244,14 @@ def analyze_rank(data: dict) -> dict:
         d["bytes"] += int(r["nbytes"])
         d["time_s"] += float(r["duration_s"])
     torch_ops: dict[str, int] = defaultdict(int)
-    nccl_bytes = 0
+    torch_bytes = 0
     for e in data.get("torch_comm", []):
         if e["source"] == "kernel":
             torch_ops[f"nccl {e['collective']}" if e.get("collective") else "nccl kernel"] += 1
-            if in_steps({"start_s": e["t0"]}):
-                nccl_bytes += int(e.get("in_bytes", 0))
         else:
             torch_ops[e["name"]] += 1
+        if e["source"] != "c10d" and in_steps({"start_s": e["t0"]}):
+            torch_bytes += int(e.get("in_bytes", 0))  # c10d ops wrap the gloo/NCCL work
 
     # device idle gaps
     idle = None
@@ -297,9 +297,9 @@ def analyze_rank(data: dict) -> dict:
             "by_tag": by_tag,
             "bytes_total": sum(int(r["nbytes"]) for r in records if r["op"] not in ENVELOPE_OPS),
             "payload_bytes": sum(int(r["nbytes"]) for r in records if r["op"] in ENVELOPE_OPS),
-            # input message bytes of the NCCL kernels in the profiled steps (every
-            # collective, ours and DeepSpeed's/torch's), from torch.profiler's kernel args
-            "nccl_input_bytes": nccl_bytes,
+            # input message bytes of torch's collectives in the profiled steps (ours and
+            # DeepSpeed's alike): NCCL kernels' args on GPU, gloo work events' shapes on CPU
+            "torch_input_bytes": torch_bytes,
             "torch_ops": dict(torch_ops),
         },
         "gpu_idle": idle,
@@ -380,7 +380,7 @@ def flat_metrics(m: dict) -> dict[str, float]:
         "comm/share_of_backward": m["comm"]["share_of_backward"],
         "comm/exposed_share_of_step": m["comm"]["exposed_share_of_step"],
         "comm/bytes_total": m["comm"]["bytes_total"],
-        "comm/nccl_input_bytes": m["comm"].get("nccl_input_bytes") or None,
+        "comm/torch_input_bytes": m["comm"].get("torch_input_bytes") or None,
         "perf/host_phase_share": m["host_share"],
         "perf/gpu_idle_share": (m["gpu_idle"] or {}).get("share"),
         "rollout/latency_s_p50": m["rollout"]["p50"],

@@ -27,6 +27,7 @@ no-op context manager and ``step()`` only counts: no timing, no allocation, no s
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -72,6 +73,23 @@ _DTYPE_BYTES = {
     "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Char": 1, "Byte": 1,
     "Int": 4, "Long": 8, "Short": 2, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
 }  # fmt: skip
+# ... and the C++ type names of its "Input type" (``record_shapes``) on gloo work events.
+_CTYPE_BYTES = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "signed char": 1,
+    "unsigned char": 1, "int": 4, "long int": 8, "short int": 2, "bool": 1,
+    "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
+}  # fmt: skip
+
+
+def _gloo_input_bytes(args: dict) -> dict:
+    """``in_bytes`` of a gloo work event (first input's shape times its element size)
+    from ``Input Dims`` / ``Input type``, present when torch.profiler records shapes."""
+    try:
+        dims, ctype = args["Input Dims"][0], args["Input type"][0]
+        size = _CTYPE_BYTES[str(ctype)]
+        return {"in_bytes": int(math.prod(int(d) for d in dims)) * size}
+    except (KeyError, IndexError, TypeError, ValueError):
+        return {}
 
 
 def _collective_args(args: dict) -> dict:
@@ -168,6 +186,8 @@ class VerlProfiler:
         sync_ranks: when distributed, align ranks with a one-element all_reduce when
             profiling (re)starts, so per-rank start-up skew is not measured as a wait.
         rank, world_size: default from ``torch.distributed`` when initialised, else 0/1.
+        record_shapes: torch.profiler's ``record_shapes`` (None: on without CUDA, where it
+            gives the bytes of gloo's collectives; NCCL kernels carry theirs anyway).
         keep_kernels: write every device kernel into ``profile_rank{r}.json``; by default
             only their summary (idle gaps by phase, exposed communication, busy time, top
             kernels; see :func:`~verl_comm.profiler.analysis.device_summary`) is kept, since
@@ -192,6 +212,7 @@ class VerlProfiler:
         rank: int | None = None,
         world_size: int | None = None,
         keep_kernels: bool = False,
+        record_shapes: bool | None = None,
     ) -> None:
         self.enabled = bool(enabled)
         self.record_memory = bool(record_memory)
@@ -211,6 +232,7 @@ class VerlProfiler:
         self.sync_ranks = sync_ranks
         self._rank, self._world = rank, world_size
         self.keep_kernels = bool(keep_kernels)
+        self.record_shapes = record_shapes
         self._wall: list[dict] = []  # every step's wall time, profiled or not
         self._step = 0
         self._started = self._stopped = False
@@ -256,6 +278,7 @@ class VerlProfiler:
             cuda_sync=get("cuda_sync", True),
             sync_ranks=get("sync_ranks", True),
             keep_kernels=get("keep_kernels", False),
+            record_shapes=get("record_shapes", None),
             rank=rank,
         )
 
@@ -317,7 +340,10 @@ class VerlProfiler:
                     )
                 except Exception:  # noqa: BLE001 - optional feature
                     pass
-            self._torch_prof = torch.profiler.profile(activities=acts)
+            shapes = self.record_shapes
+            if shapes is None:  # gloo's work events need shapes for their bytes
+                shapes = not self._cuda
+            self._torch_prof = torch.profiler.profile(activities=acts, record_shapes=shapes)
             self._torch_prof.__enter__()
             with torch.profiler.record_function(ANCHOR):
                 self._anchor_t = time.perf_counter()
@@ -418,7 +444,10 @@ class VerlProfiler:
                     )
             elif name.startswith(("gloo:", "c10d::")):
                 src = "gloo" if name.startswith("gloo:") else "c10d"
-                self._torch_events["comm"].append({"name": name, "t0": t0, "t1": t1, "source": src})
+                rec = {"name": name, "t0": t0, "t1": t1, "source": src}
+                if src == "gloo":
+                    rec.update(_gloo_input_bytes(e.get("args") or {}))
+                self._torch_events["comm"].append(rec)
 
     def stop(self) -> Path | None:
         """Close profiling, write ``profile_rank{r}.json`` and the Chrome trace.

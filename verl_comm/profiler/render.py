@@ -76,8 +76,8 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
             else ""
         )
         + (
-            f"; NCCL kernels' input {c['nccl_input_bytes'] / 1e6:.1f} MB"
-            if c.get("nccl_input_bytes")
+            f"; torch collectives' input {c['torch_input_bytes'] / 1e6:.1f} MB"
+            if c.get("torch_input_bytes")
             else ""
         ),
     ]
