@@ -420,3 +420,13 @@ def test_idle_gpu_spread_over_update_phases_names_small_kernels(tmp_path):
     assert sym["found"] and sym["likely_causes"][0].startswith("small kernels inside device")
     assert "'update_critic'" in sym["likely_causes"][0] and len(sym["likely_causes"]) == 1
     assert "train.micro_batch_size" in sym["remedy"][0]
+
+
+def test_step_wall_times_stay_bounded_and_give_the_baseline(tmp_path):
+    prof = VerlProfiler(output_dir=tmp_path, steps=[50, 51], torch_profiler=False)
+    prof.start()
+    for _ in range(200):
+        prof.step()
+    data = json.loads(prof.stop().read_text())
+    assert [w["step"] for w in data["step_wall"]] == [0, 49, 50, 51, 52]
+    assert [w["profiled"] for w in data["step_wall"]] == [False, False, True, True, False]

@@ -377,7 +377,7 @@ class VerlProfiler:
             t = time.perf_counter()
         if self._active:
             self._steps.append({"step": self._step, "t0": self._step_t0, "t1": t})
-        self._wall.append({"step": self._step, "s": t - self._step_t0, "profiled": self._active})
+        self._note_wall(t - self._step_t0)
         self._step += 1
         self._step_t0 = t
         want = self._want(self._step)
@@ -389,6 +389,19 @@ class VerlProfiler:
             self._activate()
             self._step_t0 = time.perf_counter()  # after torch.profiler's start-up
         self._overhead_s += time.perf_counter() - t
+
+    def _note_wall(self, seconds: float) -> None:
+        """Keep the wall times the profiling-cost baseline needs, in bounded memory: the
+        first step, the latest step before profiling, the profiled steps and the first
+        unprofiled step after them (see ``analysis._in_step_overhead``)."""
+        entry = {"step": self._step, "s": seconds, "profiled": self._active}
+        wall = self._wall
+        if self.steps is not None and self._step > self.steps[-1] + 1:
+            return  # profiling is over and its follow-up step is kept
+        if not self._active and len(wall) >= 2 and not any(w["profiled"] for w in wall):
+            wall[-1] = entry  # before profiling: only the first and the latest step
+        else:
+            wall.append(entry)
 
     def phase(self, name: str) -> AbstractContextManager:
         """Context manager timing one named phase of the current step (no-op when inactive).
