@@ -5,7 +5,11 @@
    (reserved memory far above allocated, or growing) or a host phase that varies;
 2. accelerator idle while the host works: host phases (reward scoring, data loading,
    tokenization) above ``host_share`` of the step, or on CUDA device idle gaps above
-   ``idle_share`` -> async reward path, packing, dynamic batching;
+   ``idle_share``. Causes follow where the idle time is: inside ``gen`` ->
+   kernel-launch-bound decoding (CUDA graphs); inside other device phases -> small
+   kernels (larger micro-batches, packing); host phases -> async reward path; between
+   phases -> data loading / tokenization; several ranks -> padding imbalance (packing,
+   dynamic batching);
 3. communication above ``comm_share`` of the step or of backward -> gradient compression,
    bucket size, topology;
 4. rollout latency P99 above ``rollout_p99_s`` seconds or ``rollout_ratio`` x P50 ->
