@@ -330,7 +330,8 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
         trainer.setup()
         world = trainer.world
         want_tokens = s.rollout_batch * (s.prompt_len + s.response_len)
-        trainer.profiler.start()  # as PPOTrainer.run(); a no-op unless profiler.enable
+        # as PPOTrainer.run(): steps numbered as in the log, from 1; a no-op unless enabled
+        trainer.profiler.start(first_step=1)
         for step in range(s.warmup + s.steps):
             _sync()
             if world > 1:

@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,10 @@ HEADLINE = (
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 3+2 steps, for CI")
-    p.add_argument("--out", default=str(pt.REPO / "benchmarks" / "results"), help="output folder")
+    p.add_argument(
+        "--out", default=None,
+        help="output folder (default: benchmarks/results; with --smoke a temporary folder)",
+    )  # fmt: skip
     p.add_argument("--name", default=None, help="run name (default: device_compression)")
     pt.add_workload_args(p)
     p.add_argument(
@@ -71,6 +75,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     if a.smoke:
         a.shape, a.prompt_len, a.response_len = "tiny", 16, 8
         a.rollout_batch, a.micro_batch, a.warmup, a.steps = 4, 2, 3, 2
+    if a.out is None:
+        a.out = (
+            tempfile.mkdtemp(prefix="profile_ppo_smoke_")
+            if a.smoke
+            else str(pt.REPO / "benchmarks" / "results")
+        )
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return a
@@ -119,7 +129,7 @@ def profile_run(a: argparse.Namespace) -> Path:
     s.overrides = {
         **overrides,
         "profiler.enable": True,
-        "profiler.steps": list(range(a.warmup, a.warmup + a.steps)),
+        "profiler.steps": list(range(a.warmup + 1, a.warmup + a.steps + 1)),  # log numbering
         "profiler.output_dir": str(run_dir),
     }
     rank, _ = pt._rank_world()
@@ -127,16 +137,13 @@ def profile_run(a: argparse.Namespace) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         for old in run_dir.glob("*"):  # a rerun under the same name replaces the run
             _rmtree(old) if old.is_dir() else old.unlink()
-    if dist.is_initialized():
-        dist.barrier()
     env = dict(os.environ)
     pt.run_verl(s, str(run_dir / "_run"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for k in set(os.environ) - set(env):  # the trainer's own one-rank group, if it made one
         del os.environ[k]
-    if dist.is_initialized():
-        dist.barrier()
     if rank == 0:
+        _wait_for_ranks(run_dir, world)
         if report_main(["report", str(run_dir), "--save"]) != 0:
             raise RuntimeError(f"verl-comm profile report {run_dir} failed")
         doc = json.loads((run_dir / "report.json").read_text())
@@ -148,6 +155,22 @@ def profile_run(a: argparse.Namespace) -> Path:
                 f.unlink()
         _rmtree(run_dir / "_run")
     return run_dir
+
+
+def _wait_for_ranks(run_dir: Path, world: int, timeout_s: float = 300.0) -> None:
+    """Wait until every rank's ``profile_rank{r}.json`` exists (the trainer tears its
+    process group down in ``close()``, so no barrier is left; the profiler writes each
+    file atomically). Raises TimeoutError naming the missing ranks."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in range(world) if not (run_dir / f"profile_rank{r}.json").exists()]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{run_dir}: no profile from ranks {missing} after {timeout_s} s")
+        time.sleep(0.2)
 
 
 def _rmtree(path: Path) -> None:

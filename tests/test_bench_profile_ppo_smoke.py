@@ -25,7 +25,9 @@ def test_profile_ppo_smoke_two_ranks_int8(tmp_path):
             "profile_rank1.json"} <= {p.name for p in run.iterdir()}  # fmt: skip
     assert not list(run.glob("trace_rank*.json"))  # large traces removed unless --keep-traces
     doc = json.loads((run / "report.json").read_text())
-    assert doc["metrics"]["run"]["world_size"] == 2
+    run_meta = doc["metrics"]["run"]
+    assert run_meta["world_size"] == 2 and run_meta["ranks"] == 2  # rank 1's file waited for
+    assert run_meta["missing_ranks"] == []
     comm = doc["metrics"]["comm"]
     # every profiled step compresses (warm-up covers start_iter): int8 hook records only
     assert {k.split()[0] for k in comm["by_tag"]} == {"int8", "bucket_reduce"}

@@ -201,8 +201,11 @@ class ProfilerConfig(_Strict):
     """verl_comm profiler (torch.profiler based); report with ``verl-comm profile report DIR``."""
 
     enable: bool = Field(False, description="off = zero overhead")
-    steps: list[int] = Field(default_factory=list, description="steps to profile; [] = all")
-    output_dir: str = Field("profile_logs", description="per-rank profiles and traces")
+    steps: list[int] = Field(
+        default_factory=list,
+        description="steps to profile, numbered as in the log (from 1); [] = every step",
+    )
+    output_dir: str = Field("profile_logs", description="per-rank profiles and Chrome traces")
     record_memory: bool = Field(True, description="allocated/reserved over time, peak per phase")
     record_communication: bool = Field(True, description="collectives of hooks/reducer/reshard")
     torch_profiler: bool = Field(True, description="also run torch.profiler (Chrome traces)")
@@ -289,6 +292,19 @@ class PPOConfig(_Strict):
                 f"train.rollout_batch_size={t.rollout_batch_size} is not a multiple of "
                 f"train.ppo_mini_batch_size={t.ppo_mini_batch_size}"
             )
+        pr = self.profiler
+        if pr.enable:
+            bad = [s for s in pr.steps if not 1 <= s <= t.num_steps]
+            if bad:
+                raise ValueError(
+                    f"profiler.steps {bad} outside 1..train.num_steps={t.num_steps} (steps are "
+                    "numbered as in the log, from 1): nothing would be profiled there"
+                )
+            from verl_comm.profiler.core import check_output_dir
+
+            problem = check_output_dir(pr.output_dir)
+            if problem:
+                raise ValueError(f"profiler.output_dir: {problem}; pass a writable folder")
         return self
 
     def derived(self, world_size: int) -> Derived:

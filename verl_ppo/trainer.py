@@ -549,7 +549,7 @@ class PPOTrainer:
         )
         out = []
         t_start = time.perf_counter()
-        self.profiler.start()
+        self.profiler.start(first_step=self.step + 1)  # numbered as in the log
         while self.step < total:
             m = self.train_step(self.step)
             self.profiler.step()
@@ -569,7 +569,12 @@ class PPOTrainer:
                 self.save_checkpoint()
             bar.update(1)
         bar.close()
-        self.profiler.stop()
+        if self.profiler.stop() is not None and self.rank == 0:
+            self.log.info(
+                "profile in %s; read it with: verl-comm profile report %s",
+                self.profiler.output_dir,
+                self.profiler.output_dir,
+            )
         if not cfg.train.save_interval or self.step % cfg.train.save_interval:
             path = self.save_checkpoint()
             self.log.info("checkpoint %s (%.1f s total)", path, time.perf_counter() - t_start)

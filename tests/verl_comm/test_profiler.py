@@ -430,3 +430,90 @@ def test_step_wall_times_stay_bounded_and_give_the_baseline(tmp_path):
     data = json.loads(prof.stop().read_text())
     assert [w["step"] for w in data["step_wall"]] == [0, 49, 50, 51, 52]
     assert [w["profiled"] for w in data["step_wall"]] == [False, False, True, True, False]
+
+
+def test_report_cli_rejects_bad_files_thresholds_and_paths(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    for bad in ("{}", "[]"):
+        (run / "profile_rank0.json").write_text(bad)
+        assert profile_main(["report", str(run)]) == 2
+        assert "not a profiler JSON" in capsys.readouterr().err
+    (run / "profile_rank0.json").write_bytes(b"\xff\xfe\x00")
+    assert profile_main(["report", str(run)]) == 2
+    assert "profile_rank0.json" in capsys.readouterr().err  # the file is named
+    (run / "profile_rank0.json").write_text(json.dumps(_synthetic([1.0] * 5, [0.1] * 5)))
+    for args in (["--jitter", "nan"], ["--rollout-p99", "-1"], ["--rollout-p99", "0"]):
+        assert profile_main(["report", str(run), *args]) == 2, args
+    (tmp_path / "afile").write_text("x")
+    assert profile_main(["report", str(run), "--png", str(tmp_path / "afile" / "x.png")]) == 2
+    assert "cannot write the report" in capsys.readouterr().err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "profile_rank0.json").write_text(json.dumps(_synthetic([1.0] * 5, [0.1] * 5)))
+    assert profile_main(["report", str(tmp_path), "--png", str(tmp_path / "x.png")]) == 2
+    assert "holds 2 runs" in capsys.readouterr().err
+    assert profile_main(["report", str(run / "profile_rank0.json")]) == 0  # a file: its run
+
+
+def test_profiles_of_different_runs_are_not_mixed(tmp_path, capsys):
+    a = _synthetic([1.0] * 5, [0.1] * 5)
+    b = _synthetic([1.0] * 5, [0.1] * 5)
+    a["meta"].update(world_size=2, run_id=1)
+    b["meta"].update(world_size=2, run_id=2, rank=1)
+    (tmp_path / "profile_rank0.json").write_text(json.dumps(a))
+    (tmp_path / "profile_rank1.json").write_text(json.dumps(b))
+    assert profile_main(["report", str(tmp_path)]) == 2
+    assert "profiles of different runs mixed" in capsys.readouterr().err
+    (tmp_path / "profile_rank1.json").unlink()
+    m = analyze_run(tmp_path)
+    assert m["run"]["missing_ranks"] == [1]
+    assert profile_main(["report", str(tmp_path)]) == 0
+    assert "MISSING profiles of ranks [1]" in capsys.readouterr().out
+
+
+def test_unmeasured_communication_is_not_called_fine(tmp_path):
+    data = _synthetic([1.0] * 5, [0.1] * 5)
+    data["comm"] = []
+    data["meta"]["torch_profiler"] = False
+    m, d = _run(tmp_path, data)
+    assert not m["comm"]["measured"] and m["comm"]["source"].startswith("not measured")
+    assert d["symptoms"][2]["found"] is None
+
+
+def test_stop_survives_an_unwritable_dir_and_never_writes_an_empty_profile(tmp_path):
+    prof = VerlProfiler(output_dir=tmp_path / "p", steps=[5], torch_profiler=False)
+    prof.start()
+    prof.step()
+    with pytest.warns(UserWarning, match="no step was profiled"):
+        assert prof.stop() is None  # e.g. a resumed run past its profiled steps
+    assert not (tmp_path / "p").exists()
+    prof = VerlProfiler(output_dir=tmp_path / "q", steps=[0], torch_profiler=False)
+    prof.start()
+    prof.step()
+    (tmp_path / "q").write_text("now a file")  # the folder cannot be made any more
+    with pytest.warns(UserWarning, match="training goes on"):
+        assert prof.stop() is None
+    with pytest.raises(ValueError, match="output_dir"):
+        VerlProfiler(output_dir=tmp_path / "q")  # checked up front when enabled
+
+
+def test_first_step_numbers_steps_and_export_time_is_not_a_step(tmp_path, monkeypatch):
+    prof = VerlProfiler(output_dir=tmp_path, steps=[5, 6])
+    slow_export = prof._stop_torch
+
+    def export():
+        time.sleep(0.3)
+        slow_export()
+
+    monkeypatch.setattr(prof, "_stop_torch", export)
+    prof.start(first_step=4)  # e.g. resumed after 3 steps: the next one is the log's step 4
+    for _ in range(5):
+        with prof.phase("update_actor"):
+            time.sleep(0.02)
+        prof.step()
+    data = json.loads(prof.stop().read_text())
+    assert [s["step"] for s in data["steps"]] == [5, 6]
+    after = next(w for w in data["step_wall"] if w["step"] == 7)
+    assert after["s"] < 0.2  # the 0.3 s export is bookkeeping, not step 7's time
+    assert data["meta"]["overhead_s"] >= 0.3

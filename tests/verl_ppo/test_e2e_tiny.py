@@ -85,6 +85,7 @@ def test_everything_on_hybrid_tp2_int8_packing_async_reward(tmp_path):
             "rollout.micro_batch_size=1",
             "reward.cache_entries=64",
             "profiler.enable=true",
+            "profiler.steps=[2,3]",
             f"profiler.output_dir={tmp_path / 'prof'}",
         ]
     )
@@ -96,3 +97,7 @@ def test_everything_on_hybrid_tp2_int8_packing_async_reward(tmp_path):
     assert "timing_s/reshard" in last and "reward/exposed_s" in last
     assert last["comm/actor/compression_ratio"] > 3.0
     assert (tmp_path / "prof" / "profile_rank0.json").is_file()
+    prof = json.loads((tmp_path / "prof" / "profile_rank1.json").read_text())
+    assert [s["step"] for s in prof["steps"]] == [2, 3]  # the log's step numbers
+    assert prof["meta"]["world_size"] == 2
+    assert "verl-comm profile report" in r.stdout + r.stderr  # where the profile went

@@ -46,25 +46,48 @@ def find_runs(path: str | Path) -> list[Path]:
     """
     root = Path(path)
     if not root.exists():
-        raise FileNotFoundError(f"profile report: {root} does not exist")
+        raise FileNotFoundError(f"{root} does not exist")
+    if root.is_file():
+        root = root.parent  # a profile_rank*.json itself: its folder is the run
     runs = sorted({p.parent for p in root.rglob("profile_rank*.json")})
     if not runs:
         raise FileNotFoundError(
-            f"profile report: no profile_rank*.json under {root}; point it at the profiler's "
-            "output_dir (VerlProfiler(output_dir=...), written at stop())"
+            f"no profile_rank*.json under {root}; point it at the profiler's output_dir "
+            "(`profiler.output_dir`, written when training ends)"
         )
     return runs
 
 
 def load_run(run_dir: str | Path) -> list[dict]:
-    """The per-rank profile dicts of one run, sorted by rank."""
+    """The per-rank profile dicts of one run, sorted by rank.
+
+    Raises:
+        ValueError: a file that is not a profiler JSON, or files of different runs (run
+            id, world size) or a rank missing: the message names the files and the fix.
+    """
     out = []
-    for p in Path(run_dir).glob("profile_rank*.json"):
+    for p in sorted(Path(run_dir).glob("profile_rank*.json")):
         try:
-            out.append(json.loads(p.read_text()))
-        except json.JSONDecodeError as exc:
+            d = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{p}: not a profiler JSON ({exc})") from None
-    return sorted(out, key=lambda d: d["meta"]["rank"])
+        if not isinstance(d, dict) or not isinstance(d.get("meta"), dict) or "steps" not in d:
+            raise ValueError(f"{p}: not a profiler JSON (no 'meta'/'steps')")
+        d["_file"] = p.name
+        out.append(d)
+    out.sort(key=lambda d: d["meta"].get("rank", 0))
+    ids = {d["meta"].get("run_id") for d in out}
+    worlds = {d["meta"].get("world_size") for d in out}
+    if len(ids) > 1 or len(worlds) > 1:
+        files = ", ".join(f"{d['_file']} (run {d['meta'].get('run_id')})" for d in out)
+        raise ValueError(
+            f"{run_dir}: profiles of different runs mixed ({files}); give each run its "
+            "own output_dir or delete the stale files"
+        )
+    ranks = [d["meta"].get("rank", 0) for d in out]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{run_dir}: the same rank twice in {[d['_file'] for d in out]}")
+    return out
 
 
 def _pct(values, q: float) -> float:
@@ -151,7 +174,14 @@ def _comm_intervals(data: dict) -> tuple[list[iv.Interval], str]:
         if r.get("start_s", 0.0) > 0
     ]
     work = [(e["t0"], e["t1"]) for e in data.get("torch_comm", []) if e.get("source") == "gloo"]
-    return iv.union(rec + work), "CommRecorder records + torch gloo work events (host blocking)"
+    parts = (["verl_comm hook/reducer/reshard records"] if rec else []) + (
+        ["torch gloo work events"] if work else []
+    )
+    if not parts:
+        if data.get("meta", {}).get("torch_profiler"):
+            return [], "no collective seen (torch.profiler on, no gloo work / NCCL kernel)"
+        return [], "not measured: no verl_comm records and torch.profiler off"
+    return iv.union(rec + work), " + ".join(parts) + " (host blocking)"
 
 
 def _in_step_overhead(wall: list[dict]) -> dict:
@@ -229,7 +259,7 @@ def analyze_rank(data: dict) -> dict:
         exposed_note = "NCCL kernel time with no compute kernel running"
     else:
         exposed = comm_total
-        exposed_note = "host-blocking collectives: all exposed"
+        exposed_note = "host-blocking: all of it exposed" if comm_iv else "nothing to overlap"
 
     def in_steps(r: dict) -> bool:  # records outside profiled steps are not counted
         t = r.get("start_s", 0.0)
@@ -286,6 +316,7 @@ def analyze_rank(data: dict) -> dict:
         "unattributed_share": max(0.0, 1.0 - top_share) if step_total > 0 else None,
         "comm": {
             "source": comm_source,
+            "measured": not comm_source.startswith("not measured"),
             "total_s": comm_total,
             "per_step_s": comm_total / n_steps,
             "share_of_step": comm_total / step_total if step_total > 0 else None,
@@ -331,8 +362,9 @@ def analyze_run(run_dir: str | Path) -> dict:
     per = [analyze_rank(d) for d in ranks]
     if not per or not per[0]["per_step"]:
         raise ValueError(
-            f"{run_dir}: no profiled step (call prof.step() after each step, and check "
-            "profiler.steps against the steps the job ran)"
+            f"{run_dir}: no profiled step (steps requested: "
+            f"{ranks[0]['meta'].get('steps_requested')}; check profiler.steps against the "
+            "steps the job ran, or call prof.step() after each step)"
         )
     by_step: dict[int, float] = defaultdict(float)
     for a in per:
@@ -340,6 +372,7 @@ def analyze_run(run_dir: str | Path) -> dict:
             by_step[s["step"]] = max(by_step[s["step"]], s["time_s"])
     main = dict(per[0])
     main["step_time_max_over_ranks"] = _stats(list(by_step.values()))
+    main["step_max_by_step"] = dict(by_step)
     main["per_rank"] = [
         {
             "rank": a["rank"],
@@ -355,6 +388,9 @@ def analyze_run(run_dir: str | Path) -> dict:
         "dir": str(run_dir),
         "ranks": len(ranks),
         "world_size": meta.get("world_size"),
+        "missing_ranks": sorted(
+            set(range(meta.get("world_size") or 1)) - {d["meta"].get("rank", 0) for d in ranks}
+        ),
         "device": meta.get("device"),
         "cuda": meta.get("cuda"),
         "torch": meta.get("torch"),

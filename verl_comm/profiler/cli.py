@@ -53,27 +53,47 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-comm profile", description="profile reports")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="table + diagnosis of profiler output")
-    r.add_argument("dir")
+    r.add_argument("dir", help="a profiler output_dir, or a folder of them (one report each)")
     r.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     r.add_argument(
-        "--png", default=None, help="chart path (one run) ; default with --save: DIR/report.png"
+        "--png", default=None, help="chart path (one run only); default with --save: DIR/report.png"
     )
     r.add_argument(
         "--save",
         action="store_true",
         help="write report.txt, report.json, report.png in each run dir",
     )
-    r.add_argument(
-        "--full", action="store_true", help="keep per-step data and memory timeline in --json"
-    )
+    r.add_argument("--full", action="store_true", help="also the memory timeline in --json (large)")
     th = Thresholds()
-    r.add_argument("--jitter", type=float, default=th.jitter_ratio, help="P99/P50 step-time limit")
-    r.add_argument("--host-share", type=float, default=th.host_share)
-    r.add_argument("--idle-share", type=float, default=th.idle_share)
-    r.add_argument("--comm-share", type=float, default=th.comm_share)
-    r.add_argument("--rollout-ratio", type=float, default=th.rollout_ratio)
-    r.add_argument("--rollout-p99", type=float, default=None, help="rollout P99 limit in seconds")
-    r.add_argument("--min-samples", type=int, default=th.min_samples)
+    r.add_argument(
+        "--jitter", type=float, default=th.jitter_ratio,
+        help="symptom 1 when step P99/P50 is above this ratio (default %(default)s)",
+    )  # fmt: skip
+    r.add_argument(
+        "--host-share", type=float, default=th.host_share,
+        help="symptom 2 when host phases exceed this fraction of the step (default %(default)s)",
+    )  # fmt: skip
+    r.add_argument(
+        "--idle-share", type=float, default=th.idle_share,
+        help="symptom 2 when the GPU idles this fraction of the step (default %(default)s)",
+    )  # fmt: skip
+    r.add_argument(
+        "--comm-share", type=float, default=th.comm_share,
+        help="symptom 3 when communication exceeds this fraction of the step or of backward "
+        "(default %(default)s)",
+    )  # fmt: skip
+    r.add_argument(
+        "--rollout-ratio", type=float, default=th.rollout_ratio,
+        help="symptom 4 when rollout P99/P50 is above this ratio (default %(default)s)",
+    )  # fmt: skip
+    r.add_argument(
+        "--rollout-p99", type=float, default=None,
+        help="symptom 4 also when rollout P99 is above this many seconds (default: off)",
+    )  # fmt: skip
+    r.add_argument(
+        "--min-samples", type=int, default=th.min_samples,
+        help="steps/rollouts needed to judge symptoms 1 and 4 (default %(default)s)",
+    )  # fmt: skip
     return p
 
 
@@ -105,6 +125,22 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"verl-comm profile: {exc}", file=sys.stderr)
         return 2
+    if args.png and len(results) > 1:
+        print(
+            f"verl-comm profile: --png names one chart but {args.dir} holds {len(results)} runs; "
+            "use --save (a report.png in each run folder) or point DIR at one run",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return _emit(args, results)
+    except OSError as exc:
+        print(f"verl-comm profile: cannot write the report: {exc}", file=sys.stderr)
+        return 2
+
+
+def _emit(args: argparse.Namespace, results: list[dict]) -> int:
+    """Print and/or save the reports of ``results``; returns the exit code."""
     docs = []
     for res in results:
         m, d = res["metrics"], res["diagnosis"]
@@ -121,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(text)
         run_dir = Path(m["run"]["dir"])
-        png = args.png if (args.png and len(results) == 1) else None
+        png = args.png
         if args.save:
             (run_dir / "report.txt").write_text(text)
             (run_dir / "report.json").write_text(json.dumps(doc, indent=1))

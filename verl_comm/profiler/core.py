@@ -31,6 +31,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -90,6 +91,22 @@ def _gloo_input_bytes(args: dict) -> dict:
         return {"in_bytes": int(math.prod(int(d) for d in dims)) * size}
     except (KeyError, IndexError, TypeError, ValueError):
         return {}
+
+
+def check_output_dir(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot hold profiler output (None when it can): it must be a writable
+    folder, or not exist yet below a writable folder."""
+    p = Path(path).expanduser().absolute()
+    if p.exists():
+        if not p.is_dir():
+            return f"{p} exists and is not a folder"
+        return None if os.access(p, os.W_OK | os.X_OK) else f"{p} is not writable"
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"{p} cannot be created: {parent} is not a writable folder"
+    return None
 
 
 def _collective_args(args: dict) -> dict:
@@ -194,7 +211,8 @@ class VerlProfiler:
             a PPO step launches ~10^5 kernels. The Chrome trace keeps them all anyway.
 
     Raises:
-        ValueError: on a negative step index.
+        ValueError: on a negative step index, or an ``output_dir`` that cannot be written
+            (checked when enabled).
     """
 
     def __init__(
@@ -221,6 +239,9 @@ class VerlProfiler:
         self.steps = sorted({int(s) for s in steps}) if steps else None  # None/[] = all
         if self.steps is not None and any(s < 0 for s in self.steps):
             raise ValueError(f"profiler steps must be >= 0, got {self.steps}")
+        problem = check_output_dir(self.output_dir) if self.enabled else None
+        if problem:
+            raise ValueError(f"profiler output_dir: {problem}; pass a writable folder")
         self.recorder = (
             recorder
             if recorder is not None
@@ -310,11 +331,22 @@ class VerlProfiler:
         return {"allocated": rss, "reserved": rss}
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> VerlProfiler:
-        """Begin step 0 (profiling it if it is wanted). Idempotent."""
+    def start(self, first_step: int = 0) -> VerlProfiler:
+        """Begin step ``first_step`` (profiling it if it is wanted). Idempotent.
+
+        ``first_step`` numbers the steps as the caller's log does: the trainer passes its
+        next step number, so ``steps`` and the report speak of the same steps, also after
+        a resume.
+
+        Raises:
+            ValueError: a negative ``first_step``.
+        """
         if not self.enabled or self._started:
             return self
+        if first_step < 0:
+            raise ValueError(f"first_step must be >= 0, got {first_step}")
         self._started = True
+        self._step = int(first_step)
         dist = torch.distributed
         ready = dist.is_available() and dist.is_initialized()
         if self._rank is None:
@@ -322,6 +354,7 @@ class VerlProfiler:
         if self._world is None:
             self._world = dist.get_world_size() if ready else 1
         self._rec_start = len(self.recorder.records)
+        self._run_id = self._shared_run_id()
         if self._want(self._step):
             self._activate()
         self._step_t0 = time.perf_counter()  # after torch.profiler's start-up
@@ -348,6 +381,18 @@ class VerlProfiler:
             with torch.profiler.record_function(ANCHOR):
                 self._anchor_t = time.perf_counter()
         self._align_ranks()
+
+    def _shared_run_id(self) -> int:
+        """A random id for this run, rank 0's on every rank (one small all_reduce when
+        distributed): the report refuses to mix ``profile_rank*.json`` of different runs."""
+        rid = int.from_bytes(os.urandom(6), "little")
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return rid
+        dev = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([rid if dist.get_rank() == 0 else 0], dtype=torch.int64, device=dev)
+        dist.all_reduce(t)
+        return int(t.item())
 
     def _align_ranks(self) -> None:
         """One-element all_reduce so that ranks enter the profiled step together: the
@@ -387,8 +432,9 @@ class VerlProfiler:
                 self._stop_torch()
         elif want and not self._active:
             self._activate()
-            self._step_t0 = time.perf_counter()  # after torch.profiler's start-up
-        self._overhead_s += time.perf_counter() - t
+        # the next step starts after the trace export / torch.profiler's start-up
+        self._step_t0 = time.perf_counter()
+        self._overhead_s += self._step_t0 - t
 
     def _note_wall(self, seconds: float) -> None:
         """Keep the wall times the profiling-cost baseline needs, in bounded memory: the
@@ -429,8 +475,17 @@ class VerlProfiler:
         if self._torch_prof is None or self._trace_written:
             return
         self._torch_prof.__exit__(None, None, None)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._torch_prof.export_chrome_trace(str(self._trace_path()))
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._torch_prof.export_chrome_trace(str(self._trace_path()))
+        except OSError as exc:  # never end a training run over a trace
+            warnings.warn(
+                f"profiler: could not write the Chrome trace to {self.output_dir}: {exc}; "
+                "torch's events are lost, training goes on",
+                stacklevel=3,
+            )
+            self._torch_prof = None
+            return
         self._trace_written = True
         self._collect_torch_events(json.loads(self._trace_path().read_text()))
 
@@ -475,11 +530,10 @@ class VerlProfiler:
         if self._active and any(p["step"] == self._step for p in self._phases):
             self._steps.append({"step": self._step, "t0": self._step_t0, "t1": t})
         self._active = False
-        self._stop_torch()
         self._stopped = True
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        if self._torch_prof is not None:
-            if self._cuda and self.record_memory:
+        try:
+            self._stop_torch()
+            if self._torch_prof is not None and self._cuda and self.record_memory:
                 try:
                     torch.cuda.memory._dump_snapshot(
                         str(self.output_dir / f"memory_snapshot_rank{self._rank}.pickle")
@@ -487,9 +541,27 @@ class VerlProfiler:
                     torch.cuda.memory._record_memory_history(enabled=None)
                 except Exception:  # noqa: BLE001 - optional feature
                     pass
-        path = self.output_dir / f"profile_rank{self._rank}.json"
-        path.write_text(json.dumps(self.to_dict()))
-        return path
+            self._overhead_s += time.perf_counter() - t
+            if not self._steps:
+                warnings.warn(
+                    f"profiler: no step was profiled (steps {self.steps}, last step "
+                    f"{self._step}); nothing written to {self.output_dir}",
+                    stacklevel=2,
+                )
+                return None
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            path = self.output_dir / f"profile_rank{self._rank}.json"
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(self.to_dict()))
+            os.replace(tmp, path)  # a reader never sees half a file
+            return path
+        except OSError as exc:  # the training run must survive a profiler that cannot write
+            warnings.warn(
+                f"profiler: could not write to output_dir {self.output_dir}: {exc}; "
+                "profile lost, training goes on",
+                stacklevel=2,
+            )
+            return None
 
     def export_chrome_trace(self, path: str | os.PathLike) -> Path:
         """Write torch.profiler's Chrome trace (JSON, chrome://tracing / Perfetto).
@@ -519,6 +591,7 @@ class VerlProfiler:
             "meta": {
                 "rank": self._rank,
                 "world_size": self._world,
+                "run_id": getattr(self, "_run_id", None),
                 "device": torch.cuda.get_device_name() if self._cuda else "cpu",
                 "cuda": self._cuda,
                 "torch": torch.__version__,

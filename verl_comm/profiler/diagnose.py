@@ -24,7 +24,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from verl_comm.profiler.analysis import BETWEEN_PHASES, HOST_PHASES, ROLLOUT_PHASE
+from verl_comm.profiler.analysis import (
+    BETWEEN_PHASES,
+    ENVELOPE_OPS,
+    HOST_PHASES,
+    ROLLOUT_PHASE,
+)
 
 
 @dataclass
@@ -42,11 +47,13 @@ class Thresholds:
     def validate(self) -> None:
         """Raise ValueError naming a bad field."""
         for k in ("host_share", "idle_share", "comm_share"):
-            if not 0 < getattr(self, k) < 1:
+            if not 0 < getattr(self, k) < 1:  # NaN fails too
                 raise ValueError(f"threshold {k} must be in (0, 1), got {getattr(self, k)}")
         for k in ("jitter_ratio", "rollout_ratio"):
-            if getattr(self, k) <= 1:
+            if not getattr(self, k) > 1:  # NaN fails too
                 raise ValueError(f"threshold {k} must be > 1, got {getattr(self, k)}")
+        if self.rollout_p99_s is not None and not self.rollout_p99_s > 0:
+            raise ValueError(f"threshold rollout_p99_s must be > 0 s, got {self.rollout_p99_s}")
         if self.min_samples < 2:
             raise ValueError(f"min_samples must be >= 2, got {self.min_samples}")
 
@@ -71,11 +78,11 @@ def _jitter(m: dict, th: Thresholds) -> dict:
     if st["n"] < th.min_samples:
         return _symptom(1, name, None, f"only {st['n']} steps (need {th.min_samples})", (), (), {})
     ratio = st["p99_over_p50"]
-    steps = m["per_step"]
-    times = np.array([s["time_s"] for s in steps])
-    med = float(np.median(times))
-    slow = steps[int(np.argmax(times))]
-    excess = slow["time_s"] - med
+    steps = m["per_step"]  # rank 0's breakdown
+    by_step = m.get("step_max_by_step") or {s["step"]: s["time_s"] for s in steps}
+    slow_id = max(by_step, key=by_step.get)  # the slowest step over all ranks
+    excess = by_step[slow_id] - float(np.median(list(by_step.values())))
+    slow = next((s for s in steps if s["step"] == slow_id), max(steps, key=lambda s: s["time_s"]))
     names = {n for s in steps for n in s["phases"]}
     deltas = {
         n: slow["phases"].get(n, 0.0) - float(np.median([s["phases"].get(n, 0.0) for s in steps]))
@@ -87,7 +94,7 @@ def _jitter(m: dict, th: Thresholds) -> dict:
         "p50_s": st["p50"],
         "p99_s": st["p99"],
         "p99_over_p50": ratio,
-        "slowest_step": slow["step"],
+        "slowest_step": slow_id,
         "slowest_excess_s": excess,
         "excess_phase": top_phase,
         "excess_phase_s": deltas.get(top_phase) if top_phase else None,
@@ -113,8 +120,13 @@ def _jitter(m: dict, th: Thresholds) -> dict:
         causes.append(f"phase '{top_phase}' took {deltas[top_phase]:.3f} s more than its median")
     evidence = (
         f"step time P50 {st['p50']:.3f} s, P99 {st['p99']:.3f} s, P99/P50 {ratio:.2f} "
-        f"(limit {th.jitter_ratio}); slowest step {slow['step']} is {excess:.3f} s over the median"
-        + (f", mostly in '{top_phase}' (+{deltas[top_phase]:.3f} s)" if top_phase else "")
+        f"(limit {th.jitter_ratio}); slowest step {slow_id} is {excess:.3f} s over the median "
+        "(max over ranks)"
+        + (
+            f"; on rank 0 its largest extra is in '{top_phase}' (+{deltas[top_phase]:.3f} s)"
+            if top_phase and slow["step"] == slow_id
+            else ""
+        )
     )
     remedy = [
         "run `verl-comm doctor` (NCCL env, timeouts, topology) and `verl-comm nccl lint`",
@@ -202,13 +214,19 @@ def _host_bound(m: dict, th: Thresholds) -> dict:
 
 def _comm(m: dict, th: Thresholds) -> dict:
     c = m["comm"]
+    if not c.get("measured", True):
+        return _symptom(3, "communication-bound", None, c["source"], (), (), {})
     step_share = c["share_of_step"] or 0.0
     bwd_share = c["share_of_backward"]
     worst_rank = max(
         (r["comm_share_of_step"] or 0.0 for r in m.get("per_rank", [])), default=step_share
     )
     found = step_share > th.comm_share or (bwd_share is not None and bwd_share > th.comm_share)
-    tags = sorted(c["by_tag"].items(), key=lambda kv: -kv[1]["time_s"])[:3]
+    n = max(m["steps"]["n"], 1)
+    tags = sorted(
+        ((k, v) for k, v in c["by_tag"].items() if k.split()[0] not in ENVELOPE_OPS),
+        key=lambda kv: -kv[1]["time_s"],
+    )[:3]
     evidence = (
         f"communication {c['per_step_s']:.3f} s/step = {step_share:.0%} of the step "
         f"(max over ranks {worst_rank:.0%}); "
@@ -216,7 +234,10 @@ def _comm(m: dict, th: Thresholds) -> dict:
         + f"exposed {c['exposed_s'] / max(m['steps']['n'], 1):.3f} s/step; limit {th.comm_share:.0%}"
         + (
             "; top: "
-            + ", ".join(f"{k} {v['time_s']:.3f} s {v['bytes'] / 1e6:.1f} MB" for k, v in tags)
+            + ", ".join(
+                f"{k} {v['time_s'] / n:.3f} s/step {v['bytes'] / n / 1e6:.1f} MB/step"
+                for k, v in tags
+            )
             if tags
             else ""
         )
@@ -282,7 +303,9 @@ def _rollout(m: dict, th: Thresholds) -> dict:
     found = ratio > th.rollout_ratio or (
         th.rollout_p99_s is not None and r["p99"] > th.rollout_p99_s
     )
-    limit = f"{th.rollout_ratio} x P50" + (f" or {th.rollout_p99_s} s" if th.rollout_p99_s else "")
+    limit = f"{th.rollout_ratio} x P50" + (
+        f" or {th.rollout_p99_s} s" if th.rollout_p99_s is not None else ""
+    )
     evidence = (
         f"rollout latency P50 {r['p50']:.3f} s, P99 {r['p99']:.3f} s (P99/P50 {ratio:.2f}; "
         f"limit {limit}) over {r['n']} batches from {r['source']}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from verl_comm.profiler.analysis import BACKWARD_PHASES
+from verl_comm.profiler.analysis import BACKWARD_PHASES, ENVELOPE_OPS
 
 PHASE_ORDER = (
     "gen",
@@ -43,13 +43,22 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
     lines = [
         f"=== profile report: {run['dir']}",
         f"    ranks {run['ranks']} (world {run['world_size']}), device {run['device']}, "
-        f"torch {run['torch']}, {st['n']} profiled steps"
+        f"torch {run['torch']}, {st['n']} profiled step{'s' if st['n'] != 1 else ''}"
         + (", CUDA synchronised at phase boundaries" if run.get("cuda_sync") else ""),
+    ]
+    if run.get("missing_ranks"):
+        lines.append(f"    MISSING profiles of ranks {run['missing_ranks']}: shown ranks only")
+    lines += [
         "",
         f"step time (max over ranks)  mean {_s(st['mean'])}  P50 {_s(st['p50'])}  "
         f"P99 {_s(st['p99'])}  P99/P50 {_s(st['p99_over_p50'], '.2f', '')}",
         "",
-        f"{'phase':<18}{'s/step':>10}{'share':>9}{'calls':>7}{'peak mem':>14}{'reserved':>14}",
+        f"{'phase':<18}{'s/step':>10}{'share':>9}{'calls':>7}"
+        + (
+            f"{'peak alloc':>14}{'reserved':>14}"
+            if run.get("cuda")
+            else f"{'RSS':>14}  (process RSS at phase edges, CPU)"
+        ),
     ]
     phases = metrics["phases"]
     for name in _ordered(phases):
@@ -57,33 +66,42 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
         indent = "  " if d["depth"] > 0 else ""
         lines.append(
             f"{indent + name:<18}{d['per_step_s']:>10.4f}{_pct(d['share']):>9}{d['count']:>7}"
-            f"{_mb(d.get('mem_peak')):>14}{_mb(d.get('mem_reserved_end')):>14}"
+            f"{_mb(d.get('mem_peak')):>14}"
+            + (f"{_mb(d.get('mem_reserved_end')):>14}" if run.get("cuda") else "")
         )
     lines.append(f"{'(outside phases)':<18}{'':>10}{_pct(metrics['unattributed_share']):>9}")
     c = metrics["comm"]
-    bwd = "/".join(n for n in BACKWARD_PHASES if n in phases) or "none"
+    n = max(st["n"], 1)
+    bwd = "/".join(p for p in BACKWARD_PHASES if p in phases) or "none"
     lines += [
         "",
         f"communication ({c['source']})",
         f"  {_s(c['per_step_s'])}/step = {_pct(c['share_of_step'])} of step; "
         f"{_pct(c['share_of_backward'])} of backward ({bwd})",
-        f"  exposed {_s(c['exposed_s'] / max(st['n'], 1))}/step = {_pct(c['exposed_share_of_step'])} "
+        f"  exposed {_s(c['exposed_s'] / n)}/step = {_pct(c['exposed_share_of_step'])} "
         f"of step ({c['exposed_note']})",
-        f"  recorded wire bytes {c['bytes_total'] / 1e6:.1f} MB"
+        "  bytes per step: "
         + (
-            f" (gradient bucket payload {c['payload_bytes'] / 1e6:.1f} MB)"
-            if c.get("payload_bytes")
-            else ""
+            f"verl_comm wire {c['bytes_total'] / n / 1e6:.2f} MB"
+            + (
+                f" for {c['payload_bytes'] / n / 1e6:.2f} MB of gradient buckets"
+                if c.get("payload_bytes")
+                else ""
+            )
+            if c["bytes_total"]
+            else "no verl_comm records (e.g. DeepSpeed's own reduction)"
         )
         + (
-            f"; torch collectives' input {c['torch_input_bytes'] / 1e6:.1f} MB"
+            f"; torch collectives' input {c['torch_input_bytes'] / n / 1e6:.2f} MB"
             if c.get("torch_input_bytes")
             else ""
         ),
     ]
     for tag, d in sorted(c["by_tag"].items(), key=lambda kv: -kv[1]["time_s"])[:6]:
+        wraps = "  (wraps the hook rows)" if tag.split()[0] in ENVELOPE_OPS else ""
         lines.append(
-            f"    {tag:<40} n={d['count']:<5} {d['bytes'] / 1e6:10.2f} MB {d['time_s']:8.3f} s"
+            f"    {tag:<36} {d['count'] / n:5.1f}/step {d['bytes'] / n / 1e6:9.2f} MB/step "
+            f"{d['time_s'] / n:8.4f} s/step{wraps}"
         )
     if c["torch_ops"]:
         lines.append(
@@ -98,8 +116,9 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
     if idle is None:
         lines.append("\nGPU idle gaps: n/a (no device kernels in the trace)")
     else:
-        lines.append(f"\nGPU idle gaps: {_s(idle['total_s'])} = {_pct(idle['share'])} of step time")
-        n = max(metrics["steps"]["n"], 1)
+        lines.append(
+            f"\nGPU idle gaps: {_s(idle['total_s'] / n)}/step = {_pct(idle['share'])} of step time"
+        )
         for ph, t in sorted(idle["by_phase_s"].items(), key=lambda kv: -kv[1])[:5]:
             lines.append(f"    in {ph:<20} {t / n:.4f} s/step")
         if idle.get("kernel_count"):
@@ -116,14 +135,15 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
         f"rollout latency ({r['source']}): n={r['n']} P50 {_s(r['p50'])} P99 {_s(r['p99'])}",
         f"reshard: {'enabled' if rs['enabled'] else 'no reshard phase'}, {_s(rs['per_step_s'])}/step, "
         f"{rs['bytes'] / 1e6:.1f} MB recorded",
-        f"profiler bookkeeping: {_s(metrics['overhead']['bookkeeping_s'], '.4f')} "
-        f"({_pct(metrics['overhead']['share_of_step'])} of profiled time)",
+        f"profiler bookkeeping outside the steps (trace export and parsing, memory "
+        f"snapshot): {_s(metrics['overhead']['bookkeeping_s'], '.2f')} in all",
     ]
     ov = metrics["overhead"]
     if ov.get("in_step_slowdown") is not None:
         lines.append(
             f"profiling cost inside steps: profiled step P50 {_s(ov['profiled_p50_s'])} vs "
-            f"{_s(ov['unprofiled_p50_s'])} unprofiled ({ov['unprofiled_steps']} steps): "
+            f"{_s(ov['unprofiled_p50_s'])} unprofiled ({ov['unprofiled_steps']} "
+            f"step{'s' if ov['unprofiled_steps'] != 1 else ''}): "
             f"{ov['in_step_slowdown']:+.0%}; phase times above include it"
         )
     lines += [
