@@ -144,7 +144,8 @@ def profile_run(a: argparse.Namespace) -> Path:
         del os.environ[k]
     if rank == 0:
         _wait_for_ranks(run_dir, world)
-        if report_main(["report", str(run_dir), "--save"]) != 0:
+        # relative, so that no path of this machine lands in a committed report
+        if report_main(["report", os.path.relpath(run_dir), "--save"]) != 0:
             raise RuntimeError(f"verl-comm profile report {run_dir} failed")
         doc = json.loads((run_dir / "report.json").read_text())
         with open(Path(a.out) / f"{BENCH}.jsonl", "a") as f:
