@@ -48,6 +48,21 @@ def report(path: str | Path, thresholds: Thresholds | None = None) -> list[dict]
     return out
 
 
+# (flag, Thresholds field, type, help) of the diagnosis limits
+THRESHOLD_FLAGS = (
+    ("--jitter", "jitter_ratio", float, "symptom 1 when step P99/P50 is above this ratio"),
+    ("--host-share", "host_share", float,
+     "symptom 2 when host phases exceed this fraction of the step"),
+    ("--idle-share", "idle_share", float, "symptom 2 when the GPU idles this fraction of the step"),
+    ("--comm-share", "comm_share", float,
+     "symptom 3 when communication exceeds this fraction of the step or of backward"),
+    ("--rollout-ratio", "rollout_ratio", float, "symptom 4 when rollout P99/P50 is above this"),
+    ("--rollout-p99", "rollout_p99_s", float,
+     "symptom 4 also when rollout P99 is above this many seconds"),
+    ("--min-samples", "min_samples", int, "steps/rollouts needed to judge symptoms 1 and 4"),
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Parser of ``verl-comm profile``."""
     p = argparse.ArgumentParser(prog="verl-comm profile", description="profile reports")
@@ -65,35 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--full", action="store_true", help="also the memory timeline in --json (large)")
     th = Thresholds()
-    r.add_argument(
-        "--jitter", type=float, default=th.jitter_ratio,
-        help="symptom 1 when step P99/P50 is above this ratio (default %(default)s)",
-    )  # fmt: skip
-    r.add_argument(
-        "--host-share", type=float, default=th.host_share,
-        help="symptom 2 when host phases exceed this fraction of the step (default %(default)s)",
-    )  # fmt: skip
-    r.add_argument(
-        "--idle-share", type=float, default=th.idle_share,
-        help="symptom 2 when the GPU idles this fraction of the step (default %(default)s)",
-    )  # fmt: skip
-    r.add_argument(
-        "--comm-share", type=float, default=th.comm_share,
-        help="symptom 3 when communication exceeds this fraction of the step or of backward "
-        "(default %(default)s)",
-    )  # fmt: skip
-    r.add_argument(
-        "--rollout-ratio", type=float, default=th.rollout_ratio,
-        help="symptom 4 when rollout P99/P50 is above this ratio (default %(default)s)",
-    )  # fmt: skip
-    r.add_argument(
-        "--rollout-p99", type=float, default=None,
-        help="symptom 4 also when rollout P99 is above this many seconds (default: off)",
-    )  # fmt: skip
-    r.add_argument(
-        "--min-samples", type=int, default=th.min_samples,
-        help="steps/rollouts needed to judge symptoms 1 and 4 (default %(default)s)",
-    )  # fmt: skip
+    for flag, field, typ, text in THRESHOLD_FLAGS:
+        default = getattr(th, field)
+        r.add_argument(
+            flag, dest=field, type=typ, default=default,
+            help=text + (" (default %(default)s)" if default is not None else " (default: off)"),
+        )  # fmt: skip
     return p
 
 
@@ -110,15 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    th = Thresholds(
-        jitter_ratio=args.jitter,
-        host_share=args.host_share,
-        idle_share=args.idle_share,
-        comm_share=args.comm_share,
-        rollout_ratio=args.rollout_ratio,
-        rollout_p99_s=args.rollout_p99,
-        min_samples=args.min_samples,
-    )
+    th = Thresholds(**{field: getattr(args, field) for _, field, _, _ in THRESHOLD_FLAGS})
     try:
         th.validate()
         results = report(args.dir, th)
