@@ -19,6 +19,7 @@ Breakdowns are those of rank 0 unless stated (``per_rank`` keeps every rank's sh
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -125,27 +126,39 @@ def device_summary(
         when no kernel runs, attributed to the phase holding the gap's middle),
         ``busy_s``, ``kernel_count`` and ``top_kernels`` (15 names with most device time).
     """
-    compute = [(k["t0"], k["t1"]) for k in kernels if not k.get("comm")]
-    exposed = sum(iv.total(iv.clip(iv.subtract(comm_iv, compute), a, b)) for a, b in windows)
-    busy = iv.union((k["t0"], k["t1"]) for k in kernels)
+    windows = sorted(windows)
+    wstarts = [a for a, _ in windows]
+
+    def window_of(t: float) -> int | None:
+        j = bisect.bisect_right(wstarts, t) - 1
+        return j if j >= 0 and t <= windows[j][1] else None
+
+    exposed = 0.0
+    if comm_iv:  # one subtraction over the whole run, then clipped per window
+        rest = iv.subtract(comm_iv, ((k["t0"], k["t1"]) for k in kernels if not k.get("comm")))
+        exposed = sum(iv.total(iv.clip(rest, a, b)) for a, b in windows)
+    busy = iv.union((k["t0"], k["t1"]) for k in kernels)  # sorted once
+    bstarts = [a for a, _ in busy]
     phases = sorted(((p["t0"], p["t1"], p["name"]) for p in top), key=lambda x: x[0])
-    starts = [p[0] for p in phases]
+    pstarts = [p[0] for p in phases]
     by_phase: dict[str, float] = defaultdict(float)
-    largest: list[dict] = []
-    idle_total = 0.0
+    largest: list[tuple[float, float, float, str]] = []  # min-heap of the 5 longest gaps
+    idle_total = busy_s = 0.0
     for a, b in windows:
-        for g0, g1 in iv.gaps(busy, a, b):
+        lo = max(bisect.bisect_right(bstarts, a) - 1, 0)
+        seg = iv.clip(busy[lo : bisect.bisect_left(bstarts, b)], a, b)  # this window's slice
+        busy_s += iv.total(seg)
+        for g0, g1 in iv.gaps(seg, a, b):
             mid = 0.5 * (g0 + g1)
-            j = bisect.bisect_right(starts, mid) - 1
+            j = bisect.bisect_right(pstarts, mid) - 1
             where = phases[j][2] if j >= 0 and phases[j][1] >= mid else BETWEEN_PHASES
             by_phase[where] += g1 - g0
             idle_total += g1 - g0
-            largest.append({"t0": g0, "t1": g1, "dur_s": g1 - g0, "phase": where})
-            if len(largest) > 64:
-                largest = sorted(largest, key=lambda g: -g["dur_s"])[:5]
+            item = (g1 - g0, g0, g1, where)
+            heapq.heappush(largest, item) if len(largest) < 5 else heapq.heappushpop(largest, item)
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for k in kernels:
-        if any(a <= k["t0"] <= b for a, b in windows):
+        if window_of(k["t0"]) is not None:
             d = per_name[k["name"]]
             d[0] += 1
             d[1] += k["t1"] - k["t0"]
@@ -154,8 +167,11 @@ def device_summary(
         "exposed_comm_s": exposed,
         "idle_total_s": idle_total,
         "idle_by_phase_s": dict(by_phase),
-        "largest_gaps": sorted(largest, key=lambda g: -g["dur_s"])[:5],
-        "busy_s": sum(iv.total(iv.clip(busy, a, b)) for a, b in windows),
+        "largest_gaps": [
+            {"t0": g0, "t1": g1, "dur_s": dur, "phase": where}
+            for dur, g0, g1, where in sorted(largest, reverse=True)
+        ],
+        "busy_s": busy_s,
         "kernel_count": int(sum(v[0] for v in per_name.values())),
         "top_kernels": [{"name": n, "count": int(c), "time_s": t} for n, (c, t) in top_k],
     }

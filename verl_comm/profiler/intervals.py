@@ -40,16 +40,19 @@ def subtract(base: Iterable[Interval], minus: Iterable[Interval]) -> list[Interv
     """``base \\ minus`` as a sorted disjoint list (e.g. communication not hidden by compute)."""
     out: list[Interval] = []
     cut = union(minus)
+    i = 0  # both lists are sorted and disjoint: one merge pass, O(len(base) + len(cut))
     for a, b in union(base):
-        cur = a
-        for c, d in cut:
-            if d <= cur or c >= b:
-                continue
+        while i < len(cut) and cut[i][1] <= a:
+            i += 1
+        cur, j = a, i
+        while j < len(cut) and cut[j][0] < b:
+            c, d = cut[j]
             if c > cur:
                 out.append((cur, c))
             cur = max(cur, d)
             if cur >= b:
                 break
+            j += 1
         if cur < b:
             out.append((cur, b))
     return out
