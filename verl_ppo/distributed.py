@@ -49,11 +49,11 @@ def ensure_process_group(cfg: Any) -> bool:
     and ``MASTER_ADDR``/``MASTER_PORT``; in a plain process a one-rank group on a free
     loopback port is created. ``comm.nccl_preset`` is applied first (NCCL reads its
     environment at init), and ``comm.timeout_s`` bounds the rendezvous and every
-    collective (verl_comm.dist turns a failure into a clear error naming the cause).
+    collective (verl_comm.distributed turns a failure into a clear error naming the cause).
     """
     if dist.is_initialized():
         return False
-    from verl_comm.dist import init_distributed
+    from verl_comm.distributed import init_distributed
 
     if cfg.comm.nccl_preset:
         from verl_comm.nccl import apply_preset

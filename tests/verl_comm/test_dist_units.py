@@ -1,11 +1,11 @@
-"""In-process parts of verl_comm.dist: messages, fingerprints, argument checks."""
+"""In-process parts of verl_comm.distributed: messages, fingerprints, argument checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from verl_comm.dist import (
+from verl_comm.distributed import (
     CollectiveTimeoutError,
     DistributedError,
     InterfaceError,
@@ -16,7 +16,7 @@ from verl_comm.dist import (
     new_group,
     translate,
 )
-from verl_comm.dist.errors import describe_group
+from verl_comm.distributed.errors import describe_group
 
 
 def test_fingerprint_names_op_shape_dtype_and_args():

@@ -8,7 +8,7 @@ before spawning children that inherit the environment).
 
 Every network preset includes ``pytorch-safety``. Non-environment advice of a preset
 (explicit process-group timeout, eager init with ``device_id``) is in
-:attr:`Preset.init_options` and honoured by :func:`verl_comm.dist.init_distributed`.
+:attr:`Preset.init_options` and honoured by :func:`verl_comm.distributed.init_distributed`.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ NEVER_READ: dict[str, str] = {
     "NCCL_SOCKET_RETRY_SLEEP_MSEC for connection retries, NCCL_IB_TIMEOUT on IB, and "
     "init_process_group(timeout=...) for collectives",
     "NCCL_TIMEOUT": "NCCL has no such timeout: pass init_process_group(timeout=...) "
-    "(verl_comm.dist.init_distributed(timeout_s=...))",
+    "(verl_comm.distributed.init_distributed(timeout_s=...))",
 }
 
 #: removed or renamed NCCL names: name -> (release that removed it, replacement or "").

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from verl_comm.dist import init_distributed
+from verl_comm.distributed import init_distributed
 
 
 def _start_barrier(sync_dir: str, rank: int, launched: int, deadline_s: float = 120.0) -> None:

@@ -13,7 +13,7 @@
 The returned :class:`DistContext` is passed explicitly to whatever needs it (no globals):
 ``ctx.new_group`` gives sub-groups the same timeout (torch's ``new_group`` defaults to 30 min
 for gloo / 10 min for NCCL whatever the default group got), and its collectives translate
-backend failures into :mod:`verl_comm.dist.errors`.
+backend failures into :mod:`verl_comm.distributed.errors`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from verl_comm.dist.checks import FingerprintChecker, check_finite
-from verl_comm.dist.checks import fingerprint as _fp
-from verl_comm.dist.errors import (
+from verl_comm.distributed.checks import FingerprintChecker, check_finite
+from verl_comm.distributed.checks import fingerprint as _fp
+from verl_comm.distributed.errors import (
     DistributedError,
     InterfaceError,
     Rank0SectionError,
@@ -159,7 +159,7 @@ class DistContext:
         """In-place all-reduce of ``tensor`` (any shape/dtype the backend supports).
 
         Args:
-            check_finite_first: run :func:`verl_comm.dist.check_finite` first (one small
+            check_finite_first: run :func:`verl_comm.distributed.check_finite` first (one small
                 extra all-reduce) so a NaN on one rank is named instead of spread.
             name: what the tensor is, for messages.
 

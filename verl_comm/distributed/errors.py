@@ -1,6 +1,6 @@
 """Clear errors for distributed failures.
 
-Every failure that :mod:`verl_comm.dist` detects or translates is a :class:`DistributedError`
+Every failure that :mod:`verl_comm.distributed` detects or translates is a :class:`DistributedError`
 (a ``RuntimeError``) whose message names what failed (the variable, the address, the
 collective and its group), the deadline that fired, and the likely fix.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 _HINT_SECTION = (
     "if one rank runs a rank-0-only section (evaluation, checkpointing, logging) longer than "
-    "the timeout, wrap it in verl_comm.dist.rank0_section(ctx, name, timeout_s=...), which "
+    "the timeout, wrap it in verl_comm.distributed.rank0_section(ctx, name, timeout_s=...), which "
     "makes the other ranks wait with a wider deadline"
 )
 _HINT_FINGERPRINT = (

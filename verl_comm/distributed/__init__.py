@@ -7,17 +7,17 @@
 - ``init_distributed(..., fingerprint=True)``: op/shape/dtype checked across ranks before each
   collective (:class:`FingerprintChecker`).
 - :func:`check_finite`: names the rank whose tensor holds NaN/Inf before a reduction.
-- :mod:`verl_comm.dist.errors`: the error classes.
+- :mod:`verl_comm.distributed.errors`: the error classes.
 """
 
-from verl_comm.dist.checks import FingerprintChecker, check_finite, fingerprint
-from verl_comm.dist.context import (
+from verl_comm.distributed.checks import FingerprintChecker, check_finite, fingerprint
+from verl_comm.distributed.context import (
     DistContext,
     check_socket_interfaces,
     init_distributed,
     new_group,
 )
-from verl_comm.dist.errors import (
+from verl_comm.distributed.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     DistributedError,

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from verl_comm.dist.errors import CollectiveMismatchError, CollectiveTimeoutError, NonFiniteError
+from verl_comm.distributed.errors import CollectiveMismatchError, CollectiveTimeoutError, NonFiniteError
 
 _PREFIX = "verl_comm/fp"
 
