@@ -21,7 +21,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from verl_comm.distributed.errors import CollectiveMismatchError, CollectiveTimeoutError, NonFiniteError
+from verl_comm.distributed.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    NonFiniteError,
+)
 
 _PREFIX = "verl_comm/fp"
 
