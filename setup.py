@@ -33,6 +33,8 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.7",
         "prometheus-client>=0.20",
+        "tensorboard>=2.14",
+        "wandb>=0.19",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],

@@ -185,6 +185,28 @@ class TrainConfig(_Strict):
     max_tokens_per_micro_batch: int | None = Field(
         None, gt=0, description="dynamic micro-batches by token budget; None = micro_batch_size"
     )
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["console", "jsonl"],
+        description="metric backends (verl_ppo/tracking.py): console lines, run_dir/metrics.jsonl, "
+        "TensorBoard events in run_dir/tensorboard, a wandb run in run_dir/wandb",
+    )
+    project_name: str = Field("verl_ppo", description="wandb project")
+    experiment_name: str | None = Field(None, description="wandb run name; None = run_dir's name")
+    wandb_mode: Literal["offline", "online", "disabled"] | None = Field(
+        None, description="None = $WANDB_MODE if set, else offline (no network by surprise)"
+    )
+
+    @field_validator("logger")
+    @classmethod
+    def _loggers_installed(cls, v: list[str]) -> list[str]:
+        from verl_ppo.tracking import missing_backends
+
+        if len(set(v)) != len(v):
+            raise ValueError(f"train.logger lists a backend twice: {v}")
+        problems = missing_backends(v)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return v
 
 
 class CommConfig(_Strict):

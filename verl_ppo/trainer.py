@@ -30,7 +30,7 @@ from verl_ppo.checkpoint import CheckpointManager
 from verl_ppo.config import PPOConfig, build_config, load_config
 from verl_ppo.data.tasks import Task
 from verl_ppo.experience import Experience
-from verl_ppo.metrics import MetricsWriter, PhaseTimer, format_line, get_logger
+from verl_ppo.metrics import PhaseTimer, get_logger
 from verl_ppo.models import (
     build_policy,
     build_value_model,
@@ -185,9 +185,13 @@ class PPOTrainer:
         kl = cfg.algorithm.kl
         self.kl_ctrl = make_kl_controller(kl.controller, kl.kl_coef, kl.target_kl, kl.horizon)
         self.ckpt = CheckpointManager(cfg.run_dir, self.rank)
-        self.writer = MetricsWriter(cfg.run_dir, enabled=self.rank == 0)
         if cfg.train.resume == "auto":
             self._maybe_resume()
+        from verl_ppo.tracking import build_tracking
+
+        self.tracking = build_tracking(
+            cfg.train, cfg.run_dir, self.rank, self.step, cfg.model_dump(by_alias=True)
+        )
         self._ready = True
 
     @staticmethod
@@ -526,7 +530,6 @@ class PPOTrainer:
         for role, handle in self.grad_comm.items():
             if f"grad_comm/{role}" in state and hasattr(handle, "load_state_dict"):
                 handle.load_state_dict(state[f"grad_comm/{role}"])
-        self.writer.truncate_after(self.step)
         self.log.info("resumed from %s at step %d", path, self.step)
 
     # ------------------------------------------------------------------- run
@@ -542,8 +545,7 @@ class PPOTrainer:
         want_eval = cfg.data.eval_size > 0
         if want_eval and self.step == 0:
             e0 = self.evaluate()
-            self.writer.write({"step": 0, "eval/reward": e0})
-            self.log.info("step 0 | eval %.4g (held-out, greedy)", e0)
+            self.tracking.log({"eval/reward": e0}, step=0)
         bar = tqdm(
             total=total, initial=self.step, disable=self.rank != 0, desc="ppo", dynamic_ncols=True
         )
@@ -563,8 +565,7 @@ class PPOTrainer:
             self.history.append(m)
             out.append(m)
             if self.step % cfg.train.log_interval == 0 or self.step == total:
-                self.writer.write(m)
-                bar.write(format_line(self.step, m)) if self.rank == 0 else None
+                self.tracking.log(m, step=self.step)
             if cfg.train.save_interval and self.step % cfg.train.save_interval == 0:
                 self.save_checkpoint()
             bar.update(1)
@@ -588,6 +589,8 @@ class PPOTrainer:
             self.scorer.shutdown()
         if getattr(self, "monitor", None) is not None:
             self.monitor.close()
+        if getattr(self, "tracking", None) is not None:
+            self.tracking.close()
         for attr in ("actor", "critic", "reference", "engines", "hybrid", "_decoder"):
             if hasattr(self, attr):
                 setattr(self, attr, None)

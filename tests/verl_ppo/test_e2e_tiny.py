@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.verl_ppo._run import run_job
+from tests.verl_ppo.test_tracking import assert_tensorboard_matches_jsonl
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -16,7 +17,8 @@ def _metrics(run_dir):
 
 def test_two_ppo_steps_then_resume(tmp_path):
     run = tmp_path / "run"
-    r = run_job(["--config", "configs/tiny.yaml", f"run_dir={run}"])
+    tb = "train.logger=[console,jsonl,tensorboard]"
+    r = run_job(["--config", "configs/tiny.yaml", f"run_dir={run}", tb])
     assert r.returncode == 0, r.stderr[-3000:]
     recs = _metrics(run)
     steps = [x for x in recs if "reward/mean" in x]
@@ -39,10 +41,13 @@ def test_two_ppo_steps_then_resume(tmp_path):
     assert (ckpt / "LATEST").read_text() == "step_000002"
     assert (ckpt / "step_000002" / "COMPLETE").is_file()
     # resume: the next call continues at step 3 and does not repeat steps 1-2
-    r2 = run_job(["--config", "configs/tiny.yaml", f"run_dir={run}", "train.num_steps=3"])
+    r2 = run_job(["--config", "configs/tiny.yaml", f"run_dir={run}", "train.num_steps=3", tb])
     assert r2.returncode == 0, r2.stderr[-3000:]
     steps2 = [x["step"] for x in _metrics(run) if "reward/mean" in x]
     assert steps2 == [1, 2, 3]
+    assert "step 3 | reward" in r2.stdout + r2.stderr  # the console backend
+    # TensorBoard events (read back with EventAccumulator) hold the JSONL's values
+    assert_tensorboard_matches_jsonl(run)
     assert (ckpt / "LATEST").read_text() == "step_000003"
 
 
