@@ -216,7 +216,9 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
 
     ``method`` is one of ``allreduce``, ``fp16``, ``bf16``, ``int8``, ``lowrank_int8``;
     int8 and low rank (and every compressing method under ``policy: auto``) run a plain
-    all-reduce before ``config.start_iter``; with ``policy: auto`` each compressing bucket
+    all-reduce before ``config.start_iter`` and, after ``load_state_dict``, for
+    ``start_iter`` more steps on each bucket whose layout is not the loaded one (a fresh DDP
+    rebuilds its buckets after its first step); with ``policy: auto`` each compressing bucket
     then takes the path the policy chose at its first step (measured once per bucket).
     """
     state.apply_deferred()
@@ -228,13 +230,17 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     signature = (buf.numel(), str(buf.dtype), tuple(tuple(p.shape) for p in bucket.parameters()))
     meta = (method, cfg.compression_rank or 0, cfg.quant_block, cfg.residual_dtype)
     meta = (*meta, cfg.error_feedback)
-    bs = state.bucket_state(index, signature, meta)
+    warm = state.iteration < cfg.start_iter  # DDP may still rebuild its buckets
+    if state.resuming(index, signature, meta):  # loaded state, DDP not rebuilt yet
+        bs, warm = BucketState(signature, meta), True
+    else:
+        bs = state.bucket_state(index, signature, meta)
     if dev.type != "cpu":
         bs.tensors_to(dev)
     path = method
     auto = method in COMPRESSING and cfg.policy == "auto"
-    if (auto or method in ("int8", "lowrank_int8")) and state.iteration < cfg.start_iter:
-        path = "allreduce"  # DDP may still rebuild its buckets
+    if (auto or method in ("int8", "lowrank_int8")) and warm:
+        path = "allreduce"
     elif auto and buf.numel():
         if not policy_decision(state, bs, method, buf, index).compress:
             path = "allreduce"

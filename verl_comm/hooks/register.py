@@ -81,13 +81,26 @@ def register_comm_hook(
         The :class:`CommHookState` (keep it for ``state_dict()`` and stats).
 
     Raises:
-        TypeError: ``ddp_model`` is not DDP. RuntimeError: from DDP if a hook is already
-            registered or training already started.
+        TypeError: ``ddp_model`` is not DDP. ValueError: DDP was built with
+            ``mixed_precision=`` (it registers its own upcast hook, and DDP takes one hook
+            only). RuntimeError: from DDP if a hook is already registered or training
+            already started.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
             f"ddp_model must be torch.nn.parallel.DistributedDataParallel, got "
             f"{type(ddp_model).__name__}; for DeepSpeed use verl_comm.reducer"
+        )
+    mp = getattr(ddp_model, "mixed_precision", None)
+    if mp is not None:
+        # torch/nn/parallel/distributed.py (2.x): DDP(mixed_precision=...) registers its own
+        # _reducer_allreduce_and_upcast_hook, and a DDP module accepts one comm hook only.
+        raise ValueError(
+            f"cannot register a verl_comm comm hook on DDP built with mixed_precision={mp}: "
+            "DDP's mixed precision already registered its own all-reduce-and-upcast comm hook "
+            "and DDP takes only one. Build DistributedDataParallel without mixed_precision= "
+            "and run the forward under torch.autocast(device_type, dtype=torch.bfloat16) "
+            "instead; to send 16-bit gradients set gradient_compression='bf16' (or 'fp16')"
         )
     if process_group is None:
         process_group = getattr(ddp_model, "process_group", None)

@@ -125,6 +125,34 @@ class BucketState:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
+_META = ("method", "rank", "block", "residual dtype", "error feedback")
+
+
+def describe_change(old_sig: tuple, new_sig: tuple, old_meta: tuple, new_meta: tuple) -> str:
+    """Name the parts of a bucket's ``(numel, dtype, param shapes)`` signature and
+    ``(method, rank, block, residual dtype, error feedback)`` meta that differ, e.g.
+    ``"parameter 0 of 2: shape (64, 32) -> (64,)"``."""
+    parts = []
+    if old_sig[0] != new_sig[0]:
+        parts.append(f"numel {old_sig[0]} -> {new_sig[0]}")
+    if old_sig[1] != new_sig[1]:
+        parts.append(f"dtype {old_sig[1]} -> {new_sig[1]}")
+    a, b = list(old_sig[2]), list(new_sig[2])
+    if a != b:
+        if len(a) != len(b):
+            parts.append(f"{len(a)} -> {len(b)} parameters")
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if tuple(x) != tuple(y)), None)
+        if i is not None:
+            parts.append(
+                f"parameter {i} of {len(b)}: shape {tuple(a[i])} -> {tuple(b[i])} "
+                "(other parameters: DDP rebuilt its buckets?)"
+            )
+    for name, x, y in zip(_META, old_meta, new_meta):
+        if x != y:
+            parts.append(f"{name} {x!r} -> {y!r}")
+    return "; ".join(parts) or "unchanged"
+
+
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().clone()
 
@@ -177,6 +205,7 @@ class CommHookState:
         self._pending: list[dict[str, Any]] = []
         self._streams: dict[torch.device, Any] = {}
         self._deferred: dict[str, Any] | None = None
+        self._resume_until = 0  # after a load: first iteration DDP has surely rebuilt by
 
     # -- transport -------------------------------------------------------------------
     @property
@@ -235,15 +264,32 @@ class CommHookState:
         return out
 
     # -- bucket state ----------------------------------------------------------------
+    def resuming(self, index: int, signature: tuple, meta: tuple) -> bool:
+        """True while bucket ``index`` must not compress because a state was just loaded.
+
+        A fresh DDP reduces its first step in the initial bucket order and rebuilds its
+        buckets afterwards (torch ``Reducer::rebuild_buckets``), which is what
+        ``start_iter`` waits for. After :meth:`load_state_dict` the loaded iteration is
+        usually past ``start_iter``, so the wait is counted again from the load: for
+        ``start_iter`` steps a bucket compresses only if the loaded state was built for
+        exactly this layout and method (then resuming is bit-identical); the others run a
+        plain all-reduce and keep their loaded state.
+        """
+        if self.iteration >= self._resume_until:
+            return False
+        bs = self.buckets.get(index)
+        return bs is None or bs.signature != signature or bs.meta != meta
+
     def bucket_state(self, index: int, signature: tuple, meta: tuple) -> BucketState:
-        """The state of bucket ``index``; a changed layout or method resets it (warning)."""
+        """The state of bucket ``index``; a changed layout or method resets it (warning
+        naming what changed)."""
         bs = self.buckets.get(index)
         if bs is not None and (bs.signature != signature or bs.meta != meta):
             if bs.nbytes() or bs.decision is not None:
                 warnings.warn(
-                    f"comm hook: bucket {index} changed (layout {bs.signature[:2]} -> "
-                    f"{signature[:2]} or method {bs.meta} -> {meta}); its error-feedback "
-                    "state is reset",
+                    f"comm hook: bucket {index} changed ("
+                    f"{describe_change(bs.signature, signature, bs.meta, meta)}); its "
+                    "error-feedback state is reset",
                     RuntimeWarning,
                     stacklevel=3,
                 )
@@ -290,7 +336,9 @@ class CommHookState:
 
         The iteration and RNG are always restored. Per-bucket state is dropped (with a
         RuntimeWarning) when the world size or the compression settings changed; a bucket
-        whose layout changed is reset when it is next seen. Shapes are never forced.
+        whose layout changed is reset when it is next seen. Shapes are never forced. For
+        ``config.start_iter`` steps after the load a bucket compresses only if its loaded
+        state matches its layout (see :meth:`resuming`).
 
         Raises:
             ValueError: unknown ``format``.
@@ -305,10 +353,13 @@ class CommHookState:
         self.generator.set_state(sd["generator"])
         self.buckets = {}
         self.link = None
+        self._resume_until = self.iteration + self.config.start_iter
         if sd["world_size"] != self.world_size:
             warnings.warn(
                 f"comm hook state was saved with world size {sd['world_size']}, now "
-                f"{self.world_size}: error-feedback residuals and Q factors are reset",
+                f"{self.world_size}: error-feedback residuals and Q factors are reset; "
+                f"iterations {self.iteration}-{self._resume_until - 1} use a plain "
+                "all-reduce while DDP rebuilds its buckets",
                 RuntimeWarning,
                 stacklevel=2,
             )
