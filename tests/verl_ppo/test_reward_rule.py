@@ -30,7 +30,13 @@ def test_correct_and_incorrect_answers_on_real_entries():
     assert good.dtype == torch.float32 and good.shape == (6,)
     assert good.tolist() == [1.0] * 6
     assert r.score(_batch(entries, wrong)).tolist() == [0.0] * 6
-    assert r.score(_batch(entries, untagged)).tolist() == [0.0] * 6
+    # the tasks' rule (as in process): a numeric answer without a tag, or cut off after
+    # the opening tag, still counts; closed tags only with extract_tagged_answer
+    assert r.score(_batch(entries, untagged)).tolist() == [1.0] * 6
+    cut = [f"<answer>{e['answer']}" for e in entries]
+    assert r.score(_batch(entries, cut)).tolist() == [1.0] * 6
+    strict = RuleReward(extract_fn=extract_tagged_answer)
+    assert strict.score(_batch(entries * 2, untagged + cut)).tolist() == [0.0] * 12
     mixed = r.score(_batch(entries[:2], [responses[0], wrong[1]]))
     assert mixed.tolist() == [1.0, 0.0]
 

@@ -61,6 +61,14 @@ def extract_answer(text: str, numeric: bool = False) -> str | None:
     return None
 
 
+def task_answer(completion: str, dataset: str) -> str | None:
+    """The answer the scorer of reasoning-gym dataset ``dataset`` is given for ``completion``:
+    :func:`extract_answer`, numeric for :data:`NUMERIC_TASKS`. The in-process rule reward
+    (:meth:`Task.score`) and the reward server's ``rule`` model
+    (:class:`~verl_ppo.reward.rule.RuleReward`) both extract with it, so they agree."""
+    return extract_answer(completion, numeric=dataset in NUMERIC_TASKS)
+
+
 @dataclass
 class Sample:
     """One prompt: the chat-rendered text, the raw question and the reasoning-gym entry."""
@@ -131,5 +139,6 @@ class Task:
 
     def score(self, completion: str, entry: dict) -> float:
         """reasoning-gym's score in [0, 1] of the answer extracted from ``completion``."""
-        answer = extract_answer(completion, numeric=self.name in NUMERIC_TASKS)
-        return float(self.train.score_answer(answer=answer, entry=entry))
+        return float(
+            self.train.score_answer(answer=task_answer(completion, self.name), entry=entry)
+        )

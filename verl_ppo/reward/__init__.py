@@ -5,7 +5,7 @@ Typical trainer wiring::
 
     from verl_ppo.reward import AsyncRewardScorer, CachedReward, RuleReward, RewardBatch
 
-    reward = CachedReward(RuleReward(extract_fn=extract_answer), max_entries=65536)
+    reward = CachedReward(RuleReward(), max_entries=65536)
     scorer = AsyncRewardScorer(reward, max_workers=1)
     fut = scorer.submit(RewardBatch.from_padded(p_ids, p_mask, r_ids, r_mask,
                                                 prompts, responses, entries))

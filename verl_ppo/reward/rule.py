@@ -3,9 +3,12 @@
 Each entry names its dataset in ``entry["metadata"]["source_dataset"]``; the scorer is
 that dataset's ``score_answer(answer, entry) -> float in [0, 1]``
 (``reasoning_gym.get_score_answer_fn``). The answer is first extracted from the
-completion: by default the text inside the last ``<answer>...</answer>`` pair (the
-format the prompts ask for); a completion with no such pair scores as ``answer=None``
-(reward 0 with reasoning-gym's scorers).
+completion by the tasks' own rule (:func:`verl_ppo.data.tasks.task_answer`): the text
+inside the last ``<answer>...</answer>`` pair; after an opening tag cut off by the length
+limit, the text after it; without a tag, for numeric tasks the last number. This is what
+the in-process reward (``Task.score``) does, so ``verl-ppo reward-server --model rule``
+scores exactly like the trainer's default reward. reasoning-gym's scorers read only the
+entry, not the dataset's config, so a server needs no ``data.task_kwargs``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import torch
 
+from verl_ppo.data.tasks import task_answer
 from verl_ppo.reward.base import RewardBatch, RewardError
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
@@ -35,9 +39,9 @@ class RuleReward:
     """Reasoning-gym scorers as a :class:`~verl_ppo.reward.base.RewardModel`.
 
     Args:
-        extract_fn: completion text -> answer string or None. Default
-            :func:`extract_tagged_answer`; the trainer may pass
-            ``verl_ppo.data.tasks.extract_answer`` so prompts and extraction agree.
+        extract_fn: completion text -> answer string or None. Default: the tasks' rule
+            for the entry's dataset, :func:`verl_ppo.data.tasks.task_answer` (pass
+            :func:`extract_tagged_answer` to accept closed tags only).
         datasets: optional ``{dataset_name: dataset}`` whose ``score_answer`` is used for
             entries of that name (e.g. a dataset built with a non-default config).
         score_fn: optional ``(completion_text, entry) -> float`` that replaces
@@ -60,7 +64,7 @@ class RuleReward:
         datasets: Mapping[str, Any] | None = None,
         score_fn: Callable[[str, dict], float] | None = None,
     ) -> None:
-        self.extract_fn = extract_fn or extract_tagged_answer
+        self.extract_fn = extract_fn
         self.score_fn = score_fn
         self._scorers: dict[str, Callable[..., float]] = {
             name: ds.score_answer for name, ds in (datasets or {}).items()
@@ -94,7 +98,11 @@ class RuleReward:
                 "entry has no metadata.source_dataset naming its reasoning-gym dataset; "
                 "pass score_fn=... to RuleReward for entries of other origin"
             )
-        return float(self._scorer(name)(answer=self.extract_fn(completion), entry=entry))
+        if self.extract_fn is None:
+            answer = task_answer(completion, name)
+        else:
+            answer = self.extract_fn(completion)
+        return float(self._scorer(name)(answer=answer, entry=entry))
 
     def score(self, batch: RewardBatch) -> torch.Tensor:
         """Float32 ``(B,)`` rewards for ``batch.responses`` against ``batch.entries``."""
