@@ -23,12 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-
-def _barrier(group: Any = None) -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)
+from verl_comm.distributed import DistContext
 
 
 class CheckpointManager:
@@ -36,14 +32,19 @@ class CheckpointManager:
 
     Args:
         run_dir: the run's directory (shared by all ranks: one host or a shared FS).
-        rank: this process's global rank.
-        group: process group for the barriers (None = WORLD).
+        ctx: the job's distributed context: this rank, and the barriers between the writing
+            stages (each bounded by ``ctx.timeout_s``).
+        group: process group of the barriers (default ``ctx.group``, every rank).
     """
 
-    def __init__(self, run_dir: str | Path, rank: int, group: Any = None) -> None:
+    def __init__(self, run_dir: str | Path, ctx: DistContext, group: Any = None) -> None:
         self.root = Path(run_dir) / "checkpoints"
-        self.rank = rank
-        self.group = group
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.group = ctx.group if group is None else group
+
+    def _barrier(self) -> None:
+        self.ctx.barrier(self.group)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None (an incomplete one is ignored)."""
@@ -70,11 +71,11 @@ class CheckpointManager:
             for stale in self.root.glob(".tmp-step_*"):
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier(self.group)
+        self._barrier()
         for role, eng in engines.items():
             eng.save(str(tmp), tag=role, client_state={})
         torch.save(trainer_state, tmp / f"trainer_rank{self.rank}.pt")
-        _barrier(self.group)
+        self._barrier()
         if self.rank == 0:
             (tmp / "COMPLETE").write_text(json.dumps({"step": step}))
             if final.exists():
@@ -83,7 +84,7 @@ class CheckpointManager:
             latest_tmp = self.root / "LATEST.tmp"
             latest_tmp.write_text(name)
             os.replace(latest_tmp, self.root / "LATEST")
-        _barrier(self.group)
+        self._barrier()
         return final
 
     def load(self, path: Path, engines: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from verl_comm.compression.config import CompressionConfig
+from verl_ppo.algorithms import POLICY_LOSSES, REWARD_SHAPERS
 from verl_ppo.reshard.config import HybridEngineConfig
 
 
@@ -128,7 +129,21 @@ class AlgorithmConfig(_Strict):
     vf_coef: float = Field(1.0, gt=0.0, description="critic loss weight")
     entropy_coeff: float = Field(0.0, ge=0.0, description="entropy bonus weight")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    policy_loss: str = Field("vanilla", description="a name in verl_ppo.algorithms.POLICY_LOSSES")
+    reward_shaping: str = Field(
+        "last_token", description="a name in verl_ppo.algorithms.REWARD_SHAPERS"
+    )
     kl: KLConfig = Field(default_factory=KLConfig)
+
+    @field_validator("policy_loss", "reward_shaping")
+    @classmethod
+    def _registered(cls, value: str, info: Any) -> str:
+        registry = {"policy_loss": POLICY_LOSSES, "reward_shaping": REWARD_SHAPERS}[info.field_name]
+        if value not in registry:
+            raise ValueError(
+                f"unknown {info.field_name} {value!r}; choose one of {sorted(registry)}"
+            )
+        return value
 
 
 class OptimConfig(_Strict):

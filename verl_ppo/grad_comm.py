@@ -5,7 +5,7 @@ DeepSpeed has no comm-hook API, so the engine's own gradient reduction is switch
 off and :class:`~verl_comm.reducer.BucketedReducer` reduces the gradients instead,
 bucket by bucket during backward. Use::
 
-    handle = attach_grad_comm(engine, config)      # once, after deepspeed.initialize
+    handle = attach_grad_comm(engine, config, group, timeout_s=ctx.timeout_s)  # once
     for micro_batch in batches:
         loss = ...
         engine.backward(loss)
@@ -202,7 +202,7 @@ def attach_grad_comm(
     *,
     hook: Any = None,
     hook_state: Any = None,
-    timeout_s: float = 300.0,
+    timeout_s: float,
 ) -> GradCommHandle:
     """Reduce a DeepSpeed engine's gradients through a verl_comm hook.
 
@@ -220,7 +220,8 @@ def attach_grad_comm(
             ``config`` selects (e.g. torch's ``allreduce_hook`` with the group, for an
             exact comparison with DeepSpeed's own reduction); installs the reducer even
             when ``gradient_compression`` is ``none``.
-        timeout_s: seconds :meth:`GradCommHandle.after_backward` waits for the buckets.
+        timeout_s: seconds :meth:`GradCommHandle.after_backward` waits for the buckets; the
+            trainer passes its ``DistContext.timeout_s`` (``comm.timeout_s``).
 
     Returns:
         A :class:`GradCommHandle`.

@@ -11,6 +11,11 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from verl_comm.compression.config import CompressionConfig
+from verl_comm.telemetry import CommRecorder
+from verl_ppo.grad_comm import GradCommHandle, attach_grad_comm
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +72,17 @@ def ds_config(
 
 
 class DeepSpeedStrategy:
-    """Owns one DeepSpeed engine: init, backward, step, save/load.
+    """Owns one DeepSpeed engine and its gradient communication: init, backward, step,
+    save/load.
 
     Args:
         config: the dict from :func:`ds_config`.
         lr, weight_decay, betas: AdamW hyper-parameters.
+        compression: gradient compression of this engine; ``gradient_compression: none``
+            (or None) keeps DeepSpeed's own reduction.
+        group: the data-parallel process group the gradients are averaged over.
+        timeout_s: deadline in seconds of one gradient reduction (``comm.timeout_s``).
+        recorder: optional telemetry sink of the hook and the reducer.
     """
 
     def __init__(
@@ -80,16 +91,32 @@ class DeepSpeedStrategy:
         lr: float,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
+        *,
+        compression: CompressionConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float,
+        recorder: CommRecorder | None = None,
     ) -> None:
         self.config = config
         self.lr = lr
         self.weight_decay = weight_decay
         self.betas = betas
+        self.compression = compression or CompressionConfig()
+        self.group = group
+        self.timeout_s = timeout_s
+        self.recorder = recorder
         self.engine: Any = None
+        self.grad_comm: GradCommHandle | None = None
 
     def init(self, model: torch.nn.Module) -> Any:
-        """Wrap ``model`` in a DeepSpeed engine (collective: every rank must call it)."""
-        import deepspeed
+        """Wrap ``model`` in a DeepSpeed engine and attach the gradient communication
+        (collective: every rank must call it).
+
+        Raises:
+            ValueError: compression with an unsupported engine setup (see
+                :func:`verl_ppo.grad_comm.attach_grad_comm`).
+        """
+        import deepspeed  # on first use: its import takes seconds and probes accelerators
 
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(
@@ -101,6 +128,9 @@ class DeepSpeedStrategy:
         )
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=self.config)
         self.engine = engine
+        self.grad_comm = attach_grad_comm(
+            engine, self.compression, self.group, self.recorder, timeout_s=self.timeout_s
+        )
         return engine
 
     @property
@@ -109,8 +139,16 @@ class DeepSpeedStrategy:
         return self.engine.module
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of a loss already scaled for accumulation (no extra 1/GAS)."""
+        """Backward of a loss already scaled for accumulation (no extra 1/GAS), then
+        verl_comm's reduction of this micro-step when compression is on (it waits for the
+        buckets, at most ``timeout_s``).
+
+        Raises:
+            TimeoutError: a bucket did not complete within ``timeout_s``.
+        """
         self.engine.backward(loss, scale_wrt_gas=False)
+        if self.grad_comm is not None:
+            self.grad_comm.after_backward()
 
     def step(self) -> None:
         """Optimizer step at the accumulation boundary (DeepSpeed counts micro-steps)."""

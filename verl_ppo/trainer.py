@@ -1,35 +1,48 @@
 """The PPO trainer: a short loop of named, timed phases.
 
-generate -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
+rollout (reshard -> gen -> reward) -> old_log_prob -> ref -> values -> adv -> update_critic
+-> update_actor
 
-Each rank generates its share of the global rollout batch; the actor and critic are
-DeepSpeed engines whose gradients are reduced across the data-parallel ranks (by
-DeepSpeed, or by verl_comm's hooks when ``gradient_compression`` is set). Metrics are
-averaged over ranks and written by rank 0.
+Each rank makes its share of the global rollout batch (:mod:`verl_ppo.experience_maker`);
+the actor and critic are DeepSpeed engines whose gradients are reduced across the
+data-parallel ranks (by DeepSpeed, or by verl_comm's hooks when ``gradient_compression`` is
+set: each :class:`~verl_ppo.strategy.DeepSpeedStrategy` owns its handle). The PPO maths comes
+from the registries of :mod:`verl_ppo.algorithms`. Metrics are averaged over ranks and
+written by rank 0.
+
+The trainer holds one :class:`~verl_comm.distributed.DistContext` and passes its group and
+``timeout_s`` (``comm.timeout_s``, the one source of every deadline) to everything that
+communicates: the gradient reducers, the metric and evaluation reductions, the reward
+(waiting for async scores, a remote reward's deadline) and the checkpoint barriers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import gc
 import random
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from tqdm import tqdm
 
+from verl_comm.profiler import VerlProfiler
+from verl_comm.telemetry import CommRecorder
 from verl_ppo.algorithms import (
     ADV_ESTIMATORS,
-    kl_penalty,
+    REWARD_SHAPERS,
+    explained_variance,
     make_kl_controller,
     masked_mean,
 )
 from verl_ppo.checkpoint import CheckpointManager
 from verl_ppo.config import PPOConfig, build_config, load_config
 from verl_ppo.data.tasks import Task
+from verl_ppo.distributed import ensure_process_group, environment_findings
 from verl_ppo.experience import Experience
+from verl_ppo.experience_maker import ExperienceMaker, rollout_metrics
 from verl_ppo.metrics import PhaseTimer, get_logger
 from verl_ppo.models import (
     build_policy,
@@ -37,9 +50,15 @@ from verl_ppo.models import (
     check_uniform_dtype,
     load_tokenizer,
 )
+from verl_ppo.monitor import PrometheusMonitor
+from verl_ppo.reshard.hybrid import HybridEngine
+from verl_ppo.reward import build_reward_model
+from verl_ppo.reward.base import RewardModel
+from verl_ppo.reward.cache import CachedReward
+from verl_ppo.reward.rule import RuleReward
 from verl_ppo.roles import Actor, Critic, Reference
-from verl_ppo.rollout.generate import generate, response_mask_from
 from verl_ppo.strategy import DeepSpeedStrategy, ds_config
+from verl_ppo.tracking import build_tracking
 
 
 def _resolve_dtype(name: str, cuda: bool) -> torch.dtype:
@@ -78,15 +97,12 @@ class PPOTrainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Build models, engines, task and reward (collective across ranks)."""
-        from verl_ppo.distributed import ensure_process_group
-
         cfg = self.config
-        self._owns_group = ensure_process_group(cfg)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.ctx, self._owns_group = ensure_process_group(cfg)
+        self.rank, self.world = self.ctx.rank, self.ctx.world_size
+        self.group = self.ctx.group  # data-parallel group: every rank
         self.log = get_logger(self.rank)
         if self.rank == 0:
-            from verl_ppo.distributed import environment_findings
-
             for line in environment_findings():
                 self.log.warning("environment %s", line)
         self.cuda = torch.cuda.is_available()
@@ -97,9 +113,6 @@ class PPOTrainer:
         self.d = cfg.derived(self.world)
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed)
-
-        from verl_comm.profiler import VerlProfiler
-        from verl_comm.telemetry import CommRecorder
 
         self.recorder = CommRecorder()
         self.profiler = VerlProfiler.from_config(
@@ -114,12 +127,54 @@ class PPOTrainer:
             overrides=cfg.data.task_kwargs,
         )
         self.reward_model = self._build_reward()
-        self.scorer = None
-        if cfg.reward.async_scoring:
-            from verl_ppo.reward.async_scorer import AsyncRewardScorer
+        self._build_roles()
+        self.hybrid = None
+        he = cfg.actor.model_config_.hybrid_engine
+        if he.enable:
+            self.hybrid = HybridEngine.build(
+                self.actor.module.config,
+                he,
+                recorder=self.recorder,
+                zero_stage=cfg.actor.zero_stage,
+            )
+        self.experience_maker = ExperienceMaker(
+            cfg,
+            self.d,
+            self.tokenizer,
+            self.task,
+            self.actor,
+            self.reward_model,
+            rank=self.rank,
+            world_size=self.world,
+            device=self.device,
+            timeout_s=self.ctx.timeout_s,
+            hybrid=self.hybrid,
+            profiler=self.profiler,
+        )
+        self.monitor = None
+        if cfg.monitor.prometheus_port is not None:
+            self.monitor = PrometheusMonitor(
+                cfg.monitor.prometheus_port,
+                cfg.monitor.prometheus_host,
+                rank=self.rank,
+                device=self.device,
+            )
+            if self.rank == 0:
+                self.log.info("prometheus metrics on %s", self.monitor.url)
+        kl = cfg.algorithm.kl
+        self.kl_ctrl = make_kl_controller(kl.controller, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.ckpt = CheckpointManager(cfg.run_dir, self.ctx, self.group)
+        if cfg.train.resume == "auto":
+            self._maybe_resume()
+        self.tracking = build_tracking(
+            cfg.train, cfg.run_dir, self.rank, self.step, cfg.model_dump(by_alias=True)
+        )
+        self._ready = True
 
-            self.scorer = AsyncRewardScorer(self.reward_model, max_workers=1)
-
+    def _build_roles(self) -> None:
+        """Actor, reference and (for GAE) critic; each trained role's strategy owns its
+        DeepSpeed engine and gradient communication (collective)."""
+        cfg = self.config
         policy = build_policy(cfg.model, self.tokenizer, self.dtype, cfg.seed).to(self.device)
         if cfg.model.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
@@ -140,6 +195,7 @@ class PPOTrainer:
             cfg.algorithm,
             self.d.local_micro_batch_size,
             cfg.rollout.temperature,
+            group=self.group,
             packing=packing,
             max_tokens_per_micro_batch=budget,
         )
@@ -156,47 +212,25 @@ class PPOTrainer:
                 critic_strategy,
                 cfg.algorithm,
                 self.d.local_micro_batch_size,
+                group=self.group,
                 packing=packing,
                 max_tokens_per_micro_batch=budget,
             )
             self.engines["critic"] = critic_strategy
-        self._attach_grad_comm()
-        self.hybrid = None
-        he = cfg.actor.model_config_.hybrid_engine
-        if he.enable:
-            from verl_ppo.reshard.hybrid import HybridEngine
 
-            self.hybrid = HybridEngine.build(
-                policy.config, he, recorder=self.recorder, zero_stage=cfg.actor.zero_stage
-            )
-        self._decoder = None
-        self.monitor = None
-        if cfg.monitor.prometheus_port is not None:
-            from verl_ppo.monitor import PrometheusMonitor
+    @property
+    def grad_comm(self) -> dict[str, Any]:
+        """Role -> active :class:`~verl_ppo.grad_comm.GradCommHandle` (empty when DeepSpeed
+        reduces the gradients itself)."""
+        return {
+            role: s.grad_comm
+            for role, s in self.engines.items()
+            if s.grad_comm is not None and s.grad_comm.active
+        }
 
-            self.monitor = PrometheusMonitor(
-                cfg.monitor.prometheus_port,
-                cfg.monitor.prometheus_host,
-                rank=self.rank,
-                device=self.device,
-            )
-            if self.rank == 0:
-                self.log.info("prometheus metrics on %s", self.monitor.url)
-        kl = cfg.algorithm.kl
-        self.kl_ctrl = make_kl_controller(kl.controller, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.ckpt = CheckpointManager(cfg.run_dir, self.rank)
-        if cfg.train.resume == "auto":
-            self._maybe_resume()
-        from verl_ppo.tracking import build_tracking
-
-        self.tracking = build_tracking(
-            cfg.train, cfg.run_dir, self.rank, self.step, cfg.model_dump(by_alias=True)
-        )
-        self._ready = True
-
-    @staticmethod
-    def _strategy(role_cfg: Any, engines_cfg: dict[str, Any]) -> DeepSpeedStrategy:
-        """The DeepSpeed strategy of one role (``actor`` or ``critic`` config section)."""
+    def _strategy(self, role_cfg: Any, engines_cfg: dict[str, Any]) -> DeepSpeedStrategy:
+        """The DeepSpeed strategy of one role (``actor`` or ``critic`` config section), with
+        the job's compression, data-parallel group and deadline."""
         return DeepSpeedStrategy(
             ds_config(
                 zero_stage=role_cfg.zero_stage,
@@ -207,222 +241,40 @@ class PPOTrainer:
             lr=role_cfg.optim.lr,
             weight_decay=role_cfg.optim.weight_decay,
             betas=role_cfg.optim.betas,
+            compression=self.config.compression,
+            group=self.group,
+            timeout_s=self.ctx.timeout_s,
+            recorder=self.recorder,
         )
 
-    def _build_reward(self) -> Any:
+    def _build_reward(self) -> RewardModel:
         """The reward model of ``reward.model`` (rule scorer of the task by default), wrapped in
-        the exact-key LRU cache when ``reward.cache_entries`` > 0."""
-        from verl_ppo.reward import build_reward_model
-        from verl_ppo.reward.cache import CachedReward
-        from verl_ppo.reward.rule import RuleReward
-
+        the exact-key LRU cache when ``reward.cache_entries`` > 0; a remote reward's calls
+        are capped at ``comm.timeout_s``."""
         rc = self.config.reward
         if rc.model == "rule":
             model: Any = RuleReward(score_fn=self.task.score)
         else:
-            model = build_reward_model(rc.model, device=str(self.device))
+            model = build_reward_model(
+                rc.model, device=str(self.device), deadline_s=self.ctx.timeout_s
+            )
         if rc.cache_entries:
             model = CachedReward(model, rc.cache_entries)
         return model
-
-    def _attach_grad_comm(self) -> None:
-        """Hand gradient reduction to verl_comm's hooks when compression is on."""
-        if self.config.compression.gradient_compression == "none":
-            self.grad_comm = {}
-            return
-        from verl_ppo.grad_comm import attach_grad_comm
-
-        self.grad_comm = {}
-        for role, strat in self.engines.items():
-            handle = attach_grad_comm(strat.engine, self.config.compression, recorder=self.recorder)
-            self.grad_comm[role] = handle
-        self.actor.grad_comm = self.grad_comm.get("actor")
-        if self.critic is not None:
-            self.critic.grad_comm = self.grad_comm.get("critic")
-
-    # --------------------------------------------------------------- rollout
-    def _prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
-        n = self.config.algorithm.n_samples
-        lp = self.d.local_prompts
-        base = step * lp * self.world + self.rank * lp
-        texts, entries, groups = [], [], []
-        for i in range(lp):
-            s = self.task.sample(self.tokenizer, "train", base + i)
-            for _ in range(n):
-                texts.append(s.prompt)
-                entries.append(s.entry)
-                groups.append(base + i)
-        return texts, entries, torch.tensor(groups, dtype=torch.long)
-
-    def _encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        data = self.config.data
-        pad_kw: dict[str, Any] = {"padding": True}
-        if data.pad_prompt_to:
-            pad_kw = {"padding": "max_length", "max_length": data.pad_prompt_to}
-        enc = self.tokenizer(texts, return_tensors="pt", add_special_tokens=False, **pad_kw)
-        if enc.input_ids.shape[1] > self.config.data.max_prompt_len:
-            raise ValueError(
-                f"a prompt has {enc.input_ids.shape[1]} tokens > data.max_prompt_len="
-                f"{self.config.data.max_prompt_len}; raise data.max_prompt_len"
-            )
-        return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
-
-    def _generate(
-        self, input_ids, attention_mask, greedy: bool, max_new: int, seed: int, model=None
-    ):
-        """Sample (or greedily decode) with ``model`` (default: the actor's training module;
-        the hybrid engine passes its TP rollout model); CUDA graphs when configured."""
-        r = self.config.rollout
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        kwargs = dict(
-            max_new_tokens=max_new,
-            eos_token_id=-1 if (r.ignore_eos and not greedy) else self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            do_sample=not greedy,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            generator=gen,
-        )
-        if model is not None:
-            return model.generate(input_ids, attention_mask, **kwargs)
-        if r.use_cuda_graph:
-            from verl_ppo.rollout.cuda_graph import decoder_for
-
-            self._decoder = decoder_for(
-                self._decoder, self.actor.module, input_ids.shape[1], max_new, use_cuda_graph=True
-            )
-            return self._decoder.generate(input_ids, attention_mask, **kwargs)
-        return generate(self.actor.module, input_ids, attention_mask, **kwargs)
-
-    def _reward_batch(self, prompt_ids, prompt_mask, responses, response_mask, entries):
-        from verl_ppo.reward.base import RewardBatch
-
-        texts = self._decode(responses, response_mask)
-        return RewardBatch.from_padded(
-            prompt_ids.cpu(),
-            prompt_mask.cpu(),
-            responses.cpu(),
-            response_mask.cpu(),
-            [""] * len(texts),
-            texts,
-            entries,
-        )
-
-    def _score(self, prompt_ids, prompt_mask, responses, response_mask, entries) -> torch.Tensor:
-        batch = self._reward_batch(prompt_ids, prompt_mask, responses, response_mask, entries)
-        return self.reward_model.score(batch).to(self.device)
-
-    def _decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
-        return [
-            self.tokenizer.decode(r[m > 0].tolist(), skip_special_tokens=True)
-            for r, m in zip(responses.cpu(), mask.cpu())
-        ]
 
     # ------------------------------------------------------------------ step
     def train_step(self, step: int) -> dict[str, float]:
         """One PPO step (collective); returns metrics averaged over ranks."""
         cfg = self.config
         timer = PhaseTimer(profiler=self.profiler, sync_cuda=self.cuda)
-        m: dict[str, float] = {}
-        texts, entries, groups = self._prompts(step)
-        prompt_ids, prompt_mask = self._encode(texts)
-        P, B = prompt_ids.shape[1], prompt_ids.shape[0]
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        mb = cfg.rollout.micro_batch_size or B
-        with contextlib.ExitStack() as stack:
-            rollout_model = None
-            if self.hybrid is not None:
-                with timer.phase("reshard"):
-                    rollout_model = stack.enter_context(
-                        self.hybrid.rollout(self.actor.strategy.engine)
-                    )
-            parts, futures, scores = [], [], []
-            with timer.phase("gen"):
-                self.actor.module.eval()
-                for i in range(0, B, mb):
-                    seed = cfg.seed * 1_000_003 + step * 7919 + self.rank * 131 + i
-                    seqs_i = self._generate(
-                        prompt_ids[i : i + mb],
-                        prompt_mask[i : i + mb],
-                        False,
-                        cfg.rollout.max_new_tokens,
-                        seed,
-                        rollout_model,
-                    )
-                    parts.append(seqs_i[:, P:])
-                    if self.scorer is not None:  # score i while i+1 generates
-                        r_i = seqs_i[:, P:]
-                        m_i = response_mask_from(r_i, eos, pad)
-                        futures.append(
-                            self.scorer.submit(
-                                self._reward_batch(
-                                    prompt_ids[i : i + mb],
-                                    prompt_mask[i : i + mb],
-                                    r_i,
-                                    m_i,
-                                    entries[i : i + mb],
-                                )
-                            )
-                        )
-            if self.hybrid is not None:
-                with timer.phase("reshard"):
-                    stack.close()
-                m.update(
-                    {
-                        k: v
-                        for k, v in self.hybrid.last_metrics.items()
-                        if not k.startswith("timing")
-                    }
-                )
-        R = max(p.shape[1] for p in parts)
-        responses = torch.cat(
-            [torch.nn.functional.pad(p, (0, R - p.shape[1]), value=pad) for p in parts], 0
-        )
-        seqs = torch.cat([prompt_ids, responses], 1)
-        self.profiler.record_rollout(timer.times["gen"], B)
-        rmask = response_mask_from(responses, eos, pad).to(self.device)
-        exp = Experience(
-            input_ids=seqs,
-            attention_mask=torch.cat([prompt_mask, rmask.long()], 1),
-            prompt_len=P,
-            responses=responses,
-            response_mask=rmask,
-            group_index=groups.to(self.device),
-            entries=entries,
-        )
-        with timer.phase("reward"):
-            if self.scorer is not None:
-                scores = [self.scorer.wait(f) for f in futures]
-                exp.scores = torch.cat(scores).to(self.device)
-                m.update(self.scorer.metrics(reset=True))
-            else:
-                exp.scores = self._score(prompt_ids, prompt_mask, responses, rmask, entries)
-        if hasattr(self.reward_model, "metrics"):
-            m.update({k: float(v) for k, v in self.reward_model.metrics().items()})
-        with timer.phase("old_log_prob"):
-            exp.old_log_prob = self.actor.compute_log_prob(exp)
-        with timer.phase("ref"):
-            exp.ref_log_prob = self.reference.compute_log_prob(exp)
-        if self.critic is not None:
-            with timer.phase("values"):
-                exp.values = self.critic.compute_values(exp)
+        exp, m = self.experience_maker.make_experience(step, timer)
+        self._score_tokens(exp, timer)
         with timer.phase("adv"):
-            self._advantages(exp, m)
-        if self.critic is not None:
-            with timer.phase("update_critic"):
-                m.update(self.critic.update(exp, self.d.num_mini_batches, cfg.train.ppo_epochs))
-        with timer.phase("update_actor"):
-            m.update(self.actor.update(exp, self.d.num_mini_batches, cfg.train.ppo_epochs))
+            m.update(self._advantages(exp))
+        m.update(self._update(exp, timer))
         m.update(timer.metrics())
-        lengths = rmask.sum(-1)
-        m["reward/mean"] = float(exp.scores.mean())
-        m["response/length_mean"] = float(lengths.float().mean())
-        m["response/clip_ratio"] = float((lengths >= cfg.rollout.max_new_tokens).float().mean())
-        m["perf/tokens"] = float(exp.attention_mask.sum())
-        for role, handle in self.grad_comm.items():
-            for k, v in handle.hook_state.metrics().items():
-                m[f"comm/{role}/{k.split('/', 1)[-1]}"] = float(v)
+        m.update(rollout_metrics(exp, cfg.rollout.max_new_tokens))
+        m.update(self._comm_metrics())
         m = self._reduce_metrics(m)
         if self.monitor is not None:
             self.monitor.update(m, step=self.step)
@@ -433,21 +285,34 @@ class PPOTrainer:
         m["actor/kl_coef"] = self.kl_ctrl.value
         return m
 
-    def _advantages(self, exp: Experience, m: dict[str, float]) -> None:
+    def _score_tokens(self, exp: Experience, timer: PhaseTimer) -> None:
+        """Phases ``old_log_prob``, ``ref`` and (GAE) ``values``: fill ``exp``'s ``(B, R)``
+        log-probs under the rollout policy and the reference, and the critic's values."""
+        with timer.phase("old_log_prob"):
+            exp.old_log_prob = self.actor.compute_log_prob(exp)
+        with timer.phase("ref"):
+            exp.ref_log_prob = self.reference.compute_log_prob(exp)
+        if self.critic is not None:
+            with timer.phase("values"):
+                exp.values = self.critic.compute_values(exp)
+
+    def _advantages(self, exp: Experience) -> dict[str, float]:
+        """Token rewards (``algorithm.reward_shaping``), then advantages and returns
+        (``algorithm.adv_estimator``) into ``exp``; returns this rank's metrics."""
         alg = self.config.algorithm
         mask = exp.response_mask
-        scores_tok = torch.zeros_like(mask)
-        last = (mask.sum(-1).long() - 1).clamp_min(0)
-        scores_tok[torch.arange(exp.batch_size, device=mask.device), last] = exp.scores.float()
-        kl = kl_penalty(exp.old_log_prob, exp.ref_log_prob, alg.kl.estimator) * mask
-        m["actor/kl"] = float(masked_mean(kl, mask))
-        rewards = scores_tok
-        if alg.kl.use_kl_in_reward:
-            rewards = scores_tok - self.kl_ctrl.value * kl
-        exp.token_level_rewards = rewards
-        fn = ADV_ESTIMATORS[alg.adv_estimator]
-        exp.advantages, exp.returns = fn(
-            token_level_rewards=rewards,
+        shape = REWARD_SHAPERS[alg.reward_shaping]
+        exp.token_level_rewards, kl = shape(
+            exp.scores,
+            mask,
+            exp.old_log_prob,
+            exp.ref_log_prob,
+            kl_coef=self.kl_ctrl.value,
+            kl_estimator=alg.kl.estimator,
+            use_kl_in_reward=alg.kl.use_kl_in_reward,
+        )
+        exp.advantages, exp.returns = ADV_ESTIMATORS[alg.adv_estimator](
+            token_level_rewards=exp.token_level_rewards,
             values=exp.values,
             response_mask=mask,
             gamma=alg.gamma,
@@ -455,20 +320,39 @@ class PPOTrainer:
             group_index=exp.group_index,
             norm_by_std=alg.norm_adv_by_std_in_grpo,
         )
-        m["critic/returns_mean"] = float(masked_mean(exp.returns, mask))
-        m["actor/advantages_mean"] = float(masked_mean(exp.advantages, mask))
+        m = {
+            "actor/kl": float(masked_mean(kl, mask)),
+            "critic/returns_mean": float(masked_mean(exp.returns, mask)),
+            "actor/advantages_mean": float(masked_mean(exp.advantages, mask)),
+        }
         if exp.values is not None:
-            var_r = masked_mean((exp.returns - masked_mean(exp.returns, mask)) ** 2, mask)
-            resid = exp.returns - exp.values
-            var_e = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
-            m["critic/vf_explained_var"] = float(1.0 - var_e / (var_r + 1e-8))
+            m["critic/vf_explained_var"] = float(explained_variance(exp.returns, exp.values, mask))
+        return m
+
+    def _update(self, exp: Experience, timer: PhaseTimer) -> dict[str, float]:
+        """Phases ``update_critic`` (GAE) and ``update_actor``: the PPO epochs."""
+        cfg, m = self.config, {}
+        if self.critic is not None:
+            with timer.phase("update_critic"):
+                m.update(self.critic.update(exp, self.d.num_mini_batches, cfg.train.ppo_epochs))
+        with timer.phase("update_actor"):
+            m.update(self.actor.update(exp, self.d.num_mini_batches, cfg.train.ppo_epochs))
+        return m
+
+    def _comm_metrics(self) -> dict[str, float]:
+        """``comm/<role>/<stat>`` of each active gradient-communication hook."""
+        return {
+            f"comm/{role}/{k.split('/', 1)[-1]}": float(v)
+            for role, handle in self.grad_comm.items()
+            for k, v in handle.hook_state.metrics().items()
+        }
 
     def _reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
+        """Mean over the data-parallel ranks of every metric (one float64 all-reduce)."""
         keys = sorted(m)
         t = torch.tensor([m[k] for k in keys], dtype=torch.float64)
         if self.world > 1:
-            t = t.to(self.device) if dist.get_backend() == "nccl" else t
-            dist.all_reduce(t)
+            t = self.ctx.all_reduce(t.to(self.ctx.device), group=self.group, name="metrics")
             t = t.cpu() / self.world
         return dict(zip(keys, t.tolist()))
 
@@ -481,19 +365,12 @@ class PPOTrainer:
         bs = max(self.d.local_rollout_batch_size, 1)
         self.actor.module.eval()
         for i in range(0, len(mine), bs):
-            samples = [self.task.sample(self.tokenizer, "eval", j) for j in mine[i : i + bs]]
-            ids, mask = self._encode([s.prompt for s in samples])
-            seqs = self._generate(ids, mask, True, self.config.rollout.eval_max_new_tokens, 0)
-            resp = seqs[:, ids.shape[1] :]
-            rmask = response_mask_from(
-                resp, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-            )
-            scores = self._score(ids, mask, resp, rmask.to(self.device), [s.entry for s in samples])
-            total += torch.tensor([float(scores.sum()), len(samples)], dtype=torch.float64)
+            idx = mine[i : i + bs]
+            scores = self.experience_maker.greedy_scores("eval", idx)
+            total += torch.tensor([float(scores.sum()), len(idx)], dtype=torch.float64)
         if self.world > 1:
-            t = total.to(self.device) if dist.get_backend() == "nccl" else total
-            dist.all_reduce(t)
-            total = t.cpu()
+            total = self.ctx.all_reduce(total.to(self.ctx.device), group=self.group, name="eval")
+            total = total.cpu()
         return float(total[0] / max(total[1], 1.0))
 
     # ------------------------------------------------------------ checkpoint
@@ -536,8 +413,6 @@ class PPOTrainer:
     def run(self, num_steps: int | None = None) -> list[dict[str, float]]:
         """Train until step ``num_steps`` (default ``train.num_steps``); returns the logged
         metrics of this call's steps. Evaluates at the start and end, checkpoints at the end."""
-        from tqdm import tqdm
-
         if not self._ready:
             self.setup()
         cfg = self.config
@@ -583,17 +458,15 @@ class PPOTrainer:
 
     def close(self) -> None:
         """Free engines and tear the process group down if this trainer created it."""
-        import gc
-
-        if getattr(self, "scorer", None) is not None:
-            self.scorer.shutdown()
+        if getattr(self, "experience_maker", None) is not None:
+            self.experience_maker.close()
         if getattr(self, "monitor", None) is not None:
             self.monitor.close()
         if getattr(self, "tracking", None) is not None:
             self.tracking.close()
-        for attr in ("actor", "critic", "reference", "engines", "hybrid", "_decoder"):
+        for attr in ("actor", "critic", "reference", "engines", "hybrid", "experience_maker"):
             if hasattr(self, attr):
                 setattr(self, attr, None)
         gc.collect()
-        if getattr(self, "_owns_group", False) and dist.is_initialized():
-            dist.destroy_process_group()
+        if getattr(self, "_owns_group", False):
+            self.ctx.destroy()

@@ -146,3 +146,49 @@ def test_adaptive_kl_controller_moves_towards_target():
     f = make_kl_controller("fixed", 0.1)
     f.update(1.0, 10)
     assert f.value == 0.1
+
+
+def test_registries_name_what_the_config_selects():
+    from verl_ppo.algorithms import (
+        ADV_ESTIMATORS,
+        KL_ESTIMATORS,
+        POLICY_LOSSES,
+        REWARD_SHAPERS,
+        last_token_rewards,
+    )
+    from verl_ppo.config import AlgorithmConfig, KLConfig, build_config
+
+    assert POLICY_LOSSES["vanilla"] is policy_loss_vanilla
+    assert REWARD_SHAPERS["last_token"] is last_token_rewards
+    # every choice the config offers has an entry
+    for name, registry in [("adv_estimator", ADV_ESTIMATORS)]:
+        assert set(AlgorithmConfig.model_fields[name].annotation.__args__) <= set(registry)
+    assert set(KLConfig.model_fields["estimator"].annotation.__args__) <= set(KL_ESTIMATORS)
+    with pytest.raises(ValueError, match="policy_loss 'nope'"):
+        build_config({"algorithm": {"policy_loss": "nope"}})
+
+
+def test_last_token_rewards_place_score_and_subtract_kl():
+    from verl_ppo.algorithms import last_token_rewards
+
+    m = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, -9.0]]).repeat(3, 1)
+    ref = torch.tensor([[-1.5, -1.0, -0.5, -1.0]]).repeat(3, 1)
+    scores = torch.tensor([2.0, -1.0, 0.5])
+    r, kl = last_token_rewards(scores, m, old, ref, kl_coef=0.1, kl_estimator="k1")
+    torch.testing.assert_close(kl, (old - ref) * m)
+    expect = torch.zeros(3, 4)
+    expect[0, 2], expect[1, 0], expect[2, 0] = 2.0, -1.0, 0.5  # empty response: position 0
+    torch.testing.assert_close(r, expect - 0.1 * (old - ref) * m)
+    r_no, _ = last_token_rewards(scores, m, old, ref, kl_coef=0.1, use_kl_in_reward=False)
+    torch.testing.assert_close(r_no, expect)
+    assert float(kl[0, 3]) == 0.0  # padding carries no KL
+
+
+def test_explained_variance():
+    from verl_ppo.algorithms import explained_variance
+
+    m = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    ret = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    assert abs(float(explained_variance(ret, ret, m)) - 1.0) < 1e-6
+    assert abs(float(explained_variance(ret, torch.full_like(ret, 2.0), m))) < 1e-6

@@ -33,6 +33,7 @@ GAS = 2
 STEPS = 3
 LR = 1e-2
 INT8_REL_BOUND = 0.02
+TIMEOUT_S = 120.0  # deadline of one gradient reduction (the trainer passes comm.timeout_s)
 
 
 def _model() -> torch.nn.Module:
@@ -73,10 +74,14 @@ def _train(rank: int, stage: int, mode: str, bf16: bool = False) -> dict:
     handle = None
     if mode == "exact":
         cfg = CompressionConfig()
-        handle = attach_grad_comm(engine, cfg, hook=default_hooks.allreduce_hook, hook_state=None)
+        handle = attach_grad_comm(
+            engine, cfg, hook=default_hooks.allreduce_hook, hook_state=None, timeout_s=TIMEOUT_S
+        )
     elif mode == "int8":
         handle = attach_grad_comm(
-            engine, CompressionConfig(gradient_compression="int8", start_iter=1)
+            engine,
+            CompressionConfig(gradient_compression="int8", start_iter=1),
+            timeout_s=TIMEOUT_S,
         )
     grads, reduced = [], []
     g = torch.Generator().manual_seed(100 + rank)
@@ -106,17 +111,23 @@ def _refusals() -> dict:
     out = {}
     engine = _engine(2)
     try:
-        attach_grad_comm(engine, CompressionConfig(gradient_compression="int8"))
+        attach_grad_comm(
+            engine, CompressionConfig(gradient_compression="int8"), timeout_s=TIMEOUT_S
+        )
         out["stage2"] = None
     except ValueError as exc:
         out["stage2"] = str(exc)
-    handle = attach_grad_comm(engine, CompressionConfig(gradient_compression="none"))
+    handle = attach_grad_comm(
+        engine, CompressionConfig(gradient_compression="none"), timeout_s=TIMEOUT_S
+    )
     out["none_active"] = handle.active
     out["none_allreduce"] = engine.enable_backward_allreduce
     del engine, handle
     engine = _engine(1, bf16=True, fp32_accum=True)  # DeepSpeed picks its BF16_Optimizer
     try:
-        attach_grad_comm(engine, CompressionConfig(gradient_compression="int8"))
+        attach_grad_comm(
+            engine, CompressionConfig(gradient_compression="int8"), timeout_s=TIMEOUT_S
+        )
         out["bf16_z0"] = None
     except ValueError as exc:
         out["bf16_z0"] = str(exc)

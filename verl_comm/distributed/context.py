@@ -121,7 +121,40 @@ class DistContext:
     checker: FingerprintChecker | None = None
     _sections: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def from_default_group(cls, timeout_s: float, fingerprint: bool = False) -> DistContext:
+        """The context of a default process group that someone else initialised (user code
+        under torchrun, a test harness): rank, size, backend and store are read from it.
+
+        Args:
+            timeout_s: the deadline of this job's collectives; torch has no public getter for
+                the default group's own timeout, so pass the one it was created with.
+            fingerprint: as in :func:`init_distributed`.
+
+        Raises:
+            DistributedError: no default process group is initialised.
+        """
+        if not dist.is_initialized():
+            raise DistributedError("no default process group: call init_distributed first")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive seconds, got {timeout_s}")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        backend = str(dist.get_backend())
+        device = torch.device("cpu")
+        if backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        # the store the group rendezvoused on (torch 2.x keeps it with the default group)
+        store = dist.distributed_c10d._get_default_store()
+        checker = FingerprintChecker(store, rank, timeout_s) if fingerprint else None
+        return cls(rank, world, backend, timeout_s, store, device, checker)
+
     # --- groups -------------------------------------------------------------------------
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The group of every rank of the job (``torch.distributed.group.WORLD``): the group
+        a caller passes on when it has no sub-group of its own."""
+        return dist.group.WORLD
+
     def new_group(self, ranks: list[int], timeout_s: float | None = None) -> dist.ProcessGroup:
         """``torch.distributed.new_group`` with this context's timeout (or ``timeout_s``).
 
@@ -130,7 +163,7 @@ class DistContext:
         return new_group(ranks, self.timeout_s if timeout_s is None else timeout_s)
 
     def _ranks(self, group: dist.ProcessGroup | None) -> list[int]:
-        if group is None:
+        if group is None or group is dist.group.WORLD:
             return list(range(self.world_size))
         return dist.get_process_group_ranks(group)
 
@@ -144,7 +177,8 @@ class DistContext:
         except DistributedError:
             raise
         except RuntimeError as e:
-            desc = describe_group(None if group is None else ranks, self.world_size)
+            whole = group is None or group is dist.group.WORLD
+            desc = describe_group(None if whole else ranks, self.world_size)
             raise translate(e, op, desc, self.timeout_s, self.rank) from e
 
     # --- collectives --------------------------------------------------------------------

@@ -6,32 +6,58 @@ Sources: Schulman, "Approximating KL divergence" (2020) for k1/k2/k3; Ziegler et
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+def register_kl_estimator(name: str):
+    """Decorator registering a per-token KL estimator ``fn(log_prob, ref_log_prob)`` under
+    ``name`` (``algorithm.kl.estimator`` selects it)."""
+
+    def deco(fn):
+        KL_ESTIMATORS[name] = fn
+        return fn
+
+    return deco
+
+
+@register_kl_estimator("k1")
+def kl_k1(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """``k1 = log p - log q`` (unbiased, high variance, can be negative); ``(B, T)``."""
+    return log_prob - ref_log_prob
+
+
+@register_kl_estimator("k2")
+def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """``k2 = 0.5 (log p - log q)^2`` (biased, low variance, non-negative); ``(B, T)``."""
+    return 0.5 * (log_prob - ref_log_prob).square()
+
+
+@register_kl_estimator("k3")
+def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """``k3 = exp(log q - log p) - (log q - log p) - 1`` (unbiased, non-negative); the
+    log-ratio is clamped to [-20, 20] and the result to [-10, 10] for stability; ``(B, T)``."""
+    r = (-(log_prob - ref_log_prob)).clamp(-20.0, 20.0)
+    return (torch.exp(r) - r - 1.0).clamp(-10.0, 10.0)
 
 
 def kl_penalty(
     log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = "k1"
 ) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs ``(B, T)``.
-
-    ``k1 = log p - log q`` (unbiased, high variance, can be negative);
-    ``k2 = 0.5 (log p - log q)^2``; ``k3 = exp(log q - log p) - (log q - log p) - 1``
-    (unbiased, non-negative). ``p`` = policy, ``q`` = reference.
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs ``(B, T)``, by the
+    estimator registered as ``kind`` in :data:`KL_ESTIMATORS` (``p`` = policy, ``q`` =
+    reference).
 
     Raises:
         ValueError: unknown estimator.
     """
-    d = log_prob - ref_log_prob
-    if kind == "k1":
-        return d
-    if kind == "k2":
-        return 0.5 * d.square()
-    if kind == "k3":
-        r = (-d).clamp(-20.0, 20.0)
-        return (torch.exp(r) - r - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {kind!r}; choose one of {KL_ESTIMATORS}")
+    fn = KL_ESTIMATORS.get(kind)
+    if fn is None:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    return fn(log_prob, ref_log_prob)
 
 
 class FixedKLController:

@@ -7,6 +7,8 @@ in MOBA Games with Deep RL"); value clipping and loss aggregation modes as in ve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -77,6 +79,24 @@ def agg_loss(
     raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {LOSS_AGG_MODES}")
 
 
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
+
+
+def register_policy_loss(name: str):
+    """Decorator registering a policy loss under ``name`` (``algorithm.policy_loss`` selects
+    it). A policy loss takes ``(old_log_prob, log_prob, advantages, response_mask, *,
+    clip_ratio, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_tokens)`` and returns
+    ``(scalar loss, detached scalar metrics)``; verl's ``core_algos.py`` registers its policy
+    losses the same way."""
+
+    def deco(fn):
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+@register_policy_loss("vanilla")
 def policy_loss_vanilla(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -153,6 +173,20 @@ def value_loss_clipped(
     with torch.no_grad():
         clipfrac = masked_mean((l2 > l1).float(), response_mask)
     return loss, {"vf_clipfrac": clipfrac}
+
+
+@torch.no_grad()
+def explained_variance(
+    returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """``1 - Var[returns - values] / (Var[returns] + 1e-8)`` over masked positions (the
+    critic's fit; 1 = perfect, <= 0 = no better than the mean). Inputs ``(B, T)`` float;
+    returns a 0-d tensor. Biased (population) variances, as in verl's ``compute_data_metrics``.
+    """
+    var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    resid = returns - values
+    var_e = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
+    return 1.0 - var_e / (var_r + 1e-8)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ def build_reward_model(
     max_length: int = 256,
     text: str = "answer",
     cache_entries: int = 0,
+    deadline_s: float | None = None,
 ) -> RewardModel:
     """Reward model named by ``spec``.
 
@@ -26,6 +27,8 @@ def build_reward_model(
         device, max_length, text: passed to :class:`~verl_ppo.reward.model.ModelReward`.
         cache_entries: > 0 wraps the model in a :class:`~verl_ppo.reward.cache.CachedReward`
             of that many entries.
+        deadline_s: cap on the seconds of one remote ``score`` call, retries included (the
+            trainer passes ``comm.timeout_s``); None = the retry budget only.
 
     Raises:
         ValueError: for a spec that is none of these (the message lists them).
@@ -40,7 +43,7 @@ def build_reward_model(
     elif spec.startswith(("http://", "https://")):
         from verl_ppo.reward.remote import RemoteReward
 
-        model = RemoteReward(spec)
+        model = RemoteReward(spec, deadline_s=deadline_s)
     elif spec == "minilm" or Path(spec).is_dir():
         from verl_ppo.reward.model import ModelReward
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from verl_ppo.algorithms import agg_loss, kl_penalty, masked_mean, policy_loss_vanilla
+from verl_ppo.algorithms import POLICY_LOSSES, agg_loss, kl_penalty, masked_mean
 from verl_ppo.experience import Experience
 from verl_ppo.roles.common import log_prob_fn, run_update
 from verl_ppo.strategy import DeepSpeedStrategy
@@ -20,8 +20,8 @@ class Actor:
         algo: ``PPOConfig.algorithm``.
         micro_batch_size: sequences per forward/backward on this rank.
         temperature: rollout temperature (log-probs are of the sampled distribution).
-        group: data-parallel process group (None = WORLD).
-        grad_comm: optional handle from ``verl_ppo.grad_comm`` with ``after_backward()``.
+        group: data-parallel process group (None = WORLD); the strategy owns the gradient
+            communication (``strategy.grad_comm``).
     """
 
     def __init__(
@@ -31,7 +31,6 @@ class Actor:
         micro_batch_size: int,
         temperature: float,
         group: Any = None,
-        grad_comm: Any = None,
         packing: bool = False,
         max_tokens_per_micro_batch: int | None = None,
     ) -> None:
@@ -43,7 +42,6 @@ class Actor:
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.group = group
-        self.grad_comm = grad_comm
 
     @property
     def module(self) -> torch.nn.Module:
@@ -70,6 +68,7 @@ class Actor:
         when the KL is a loss term.
         """
         a = self.algo
+        policy_loss = POLICY_LOSSES[a.policy_loss]
 
         def loss_fn(micro: Experience, divisor: float):
             logp, ent = self.lp_fn(
@@ -81,7 +80,7 @@ class Actor:
                 with_entropy=True,
             )
             mask = micro.response_mask
-            pg_loss, m = policy_loss_vanilla(
+            pg_loss, m = policy_loss(
                 micro.old_log_prob,
                 logp,
                 micro.advantages,

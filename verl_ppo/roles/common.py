@@ -71,15 +71,13 @@ def micro_batches(exp, micro_batch_size: int, max_tokens: int | None, packing: b
     return [exp.slice(torch.tensor(ix, dtype=torch.long, device=dev)) for ix in plan]
 
 
-def micro_step(strategy, loss: torch.Tensor, grad_comm, boundary: bool | None) -> None:
-    """Backward of one micro-batch's loss, verl_comm's reduction if attached, then DeepSpeed's
-    step (which only updates at the accumulation boundary). ``boundary`` overrides
-    DeepSpeed's own micro-step count (token-budget micro-batches vary in number)."""
+def micro_step(strategy, loss: torch.Tensor, boundary: bool | None) -> None:
+    """Backward of one micro-batch's loss (with the strategy's gradient communication), then
+    DeepSpeed's step (which only updates at the accumulation boundary). ``boundary``
+    overrides DeepSpeed's own micro-step count (token-budget micro-batches vary in number)."""
     if boundary is not None:
         strategy.engine.set_gradient_accumulation_boundary(boundary)
     strategy.backward(loss)
-    if grad_comm is not None:
-        grad_comm.after_backward()
     strategy.step()
 
 
@@ -100,7 +98,7 @@ def run_update(
     plus ``<prefix>/grad_norm``.
 
     Args:
-        role: an object with ``strategy``, ``module``, ``group``, ``grad_comm``,
+        role: an object with ``strategy``, ``module``, ``group``,
             ``micro_batch_size``, ``max_tokens``, ``packing`` and ``algo``.
     """
     role.module.train()
@@ -119,7 +117,7 @@ def run_update(
                 loss, metrics = loss_fn(micro, divisor)
                 if seq_scaled:  # per-sequence means: weight micro-batches by their share
                     loss = loss * micro.batch_size / max(mb_exp.batch_size, 1)
-                micro_step(role.strategy, loss, role.grad_comm, boundary)
+                micro_step(role.strategy, loss, boundary)
                 for k, v in metrics.items():
                     sums[f"{prefix}/{k}"] += float(v)
                     counts[f"{prefix}/{k}"] += 1

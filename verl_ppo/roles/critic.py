@@ -44,8 +44,8 @@ class Critic:
         strategy: a :class:`DeepSpeedStrategy` wrapping a :class:`ValueModel`.
         algo: ``PPOConfig.algorithm``.
         micro_batch_size: sequences per forward/backward on this rank.
-        group: data-parallel process group (None = WORLD).
-        grad_comm: optional gradient-communication handle (``after_backward()``).
+        group: data-parallel process group (None = WORLD); the strategy owns the gradient
+            communication (``strategy.grad_comm``).
     """
 
     def __init__(
@@ -54,7 +54,6 @@ class Critic:
         algo: Any,
         micro_batch_size: int,
         group: Any = None,
-        grad_comm: Any = None,
         packing: bool = False,
         max_tokens_per_micro_batch: int | None = None,
     ) -> None:
@@ -64,7 +63,6 @@ class Critic:
         self.algo = algo
         self.micro_batch_size = micro_batch_size
         self.group = group
-        self.grad_comm = grad_comm
 
     @property
     def module(self) -> nn.Module:
