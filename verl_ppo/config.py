@@ -166,7 +166,11 @@ class ActorConfig(_Strict):
 
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-6))
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
-    offload_optimizer: bool = Field(False, description="DeepSpeed optimizer offload to CPU")
+    offload_optimizer: bool = Field(
+        False,
+        description="DeepSpeed ZeRO optimizer offload to CPU (zero_stage 1-3, no gradient "
+        "compression)",
+    )
     model_config_: ActorModelConfig = Field(default_factory=ActorModelConfig, alias="model_config")
 
     model_config = ConfigDict(
@@ -179,7 +183,11 @@ class CriticConfig(_Strict):
 
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
-    offload_optimizer: bool = Field(False, description="DeepSpeed optimizer offload to CPU")
+    offload_optimizer: bool = Field(
+        False,
+        description="DeepSpeed ZeRO optimizer offload to CPU (zero_stage 1-3, no gradient "
+        "compression)",
+    )
 
 
 class TrainConfig(_Strict):
@@ -329,6 +337,23 @@ class PPOConfig(_Strict):
                 f"train.rollout_batch_size={t.rollout_batch_size} is not a multiple of "
                 f"train.ppo_mini_batch_size={t.ppo_mini_batch_size}"
             )
+        for role in ("actor", "critic"):
+            rc = getattr(self, role)
+            if not rc.offload_optimizer:
+                continue
+            if rc.zero_stage == 0:
+                raise ValueError(
+                    f"{role}.offload_optimizer=true needs {role}.zero_stage 1, 2 or 3 (DeepSpeed "
+                    f"offloads the ZeRO optimizer state), got 0: set {role}.zero_stage=1"
+                )
+            if self.compression.gradient_compression != "none":
+                raise ValueError(
+                    f"{role}.offload_optimizer=true cannot be combined with "
+                    f"gradient_compression={self.compression.gradient_compression}: with "
+                    "offload, DeepSpeed's ZeRO optimizer copies gradients to the CPU inside its "
+                    "own reduction, so no comm hook can compress them (verl_ppo/grad_comm.py). "
+                    f"Set gradient_compression=none, or {role}.offload_optimizer=false"
+                )
         pr = self.profiler
         if pr.enable:
             bad = [s for s in pr.steps if not 1 <= s <= t.num_steps]

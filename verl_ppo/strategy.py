@@ -3,6 +3,13 @@
 Model: OpenRLHF's ``deepspeed_utils.py`` / ``deepspeed.py``. The optimizer is a torch AdamW
 passed in as DeepSpeed's client optimizer (fused on CUDA); on CPU DeepSpeed's own
 ``"Adam"`` would JIT-compile a CPU FusedAdam first (~41 s), which we avoid.
+
+Optimizer offload (ZeRO 1-3): DeepSpeed refuses a client optimizer other than its
+``DeepSpeedCPUAdam`` with offload unless the config sets ``zero_force_ds_cpu_optimizer:
+false`` (deepspeed 0.19 ``runtime/engine.py``, ``_configure_optimizer``). We set it and
+keep torch's AdamW: ZeRO then steps it on the fp32 CPU partitions, with torch's fused CPU
+kernel. ``DeepSpeedCPUAdam`` would need its C++ op JIT-compiled on every new host (~44 s
+here, and a compiler toolchain on the GPU hosts).
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ def ds_config(
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
+    if offload_optimizer:  # a torch AdamW with offload: see the module docstring
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if communication_data_type:
         cfg["communication_data_type"] = communication_data_type
     return cfg
@@ -119,12 +128,14 @@ class DeepSpeedStrategy:
         import deepspeed  # on first use: its import takes seconds and probes accelerators
 
         params = [p for p in model.parameters() if p.requires_grad]
+        offload = bool(self.config.get("zero_optimization", {}).get("offload_optimizer"))
         opt = torch.optim.AdamW(
             params,
             lr=self.lr,
             weight_decay=self.weight_decay,
             betas=self.betas,
-            fused=torch.cuda.is_available(),
+            # on CUDA, or on the CPU partitions ZeRO-Offload steps (torch >= 2.4 fuses on CPU)
+            fused=torch.cuda.is_available() or offload,
         )
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=self.config)
         self.engine = engine
@@ -132,6 +143,14 @@ class DeepSpeedStrategy:
             engine, self.compression, self.group, self.recorder, timeout_s=self.timeout_s
         )
         return engine
+
+    def describe(self) -> str:
+        """One line for the start-up log, e.g. ``ZeRO stage 2, AdamW, optimizer state
+        offloaded to CPU``, read back from the engine (what DeepSpeed really built)."""
+        e = self.engine
+        opt = type(getattr(e, "basic_optimizer", None) or e.optimizer).__name__
+        where = "offloaded to CPU" if e.zero_cpu_offload() else "on the model's device"
+        return f"ZeRO stage {e.zero_optimization_stage()}, {opt}, optimizer state {where}"
 
     @property
     def module(self) -> torch.nn.Module:

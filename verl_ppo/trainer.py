@@ -181,6 +181,11 @@ class PPOTrainer:
         ref_model = copy.deepcopy(policy)
         check_uniform_dtype(policy, self.dtype, "actor")
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
+        # copied before the actor engine exists: ZeRO-3 partitions the policy's parameters
+        # in place, and a copy made afterwards holds empty (numel 0) tensors
+        value_model = None
+        if self.use_critic:
+            value_model = build_value_model(policy, self.dtype).to(self.device)
         engines_cfg = dict(
             micro_batch_size=self.d.local_micro_batch_size,
             grad_accum_steps=self.d.grad_accum_steps,
@@ -204,8 +209,7 @@ class PPOTrainer:
         )
         self.engines: dict[str, DeepSpeedStrategy] = {"actor": actor_strategy}
         self.critic: Critic | None = None
-        if self.use_critic:
-            value_model = build_value_model(policy, self.dtype).to(self.device)
+        if value_model is not None:
             critic_strategy = self._strategy(cfg.critic, engines_cfg)
             critic_strategy.init(value_model)
             self.critic = Critic(
@@ -217,6 +221,9 @@ class PPOTrainer:
                 max_tokens_per_micro_batch=budget,
             )
             self.engines["critic"] = critic_strategy
+        if self.rank == 0:
+            for name, strategy in self.engines.items():
+                self.log.info("%s engine: %s", name, strategy.describe())
 
     @property
     def grad_comm(self) -> dict[str, Any]:
