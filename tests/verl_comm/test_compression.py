@@ -61,7 +61,7 @@ def run_ranks(world: int, fn):
 def test_config_defaults_and_method():
     c = CompressionConfig()
     assert (c.gradient_compression, c.compression_rank, c.quant_block) == ("none", None, 128)
-    assert (c.error_feedback, c.start_iter, c.policy, c.nonfinite) == (True, 2, "fixed", "raise")
+    assert (c.error_feedback, c.start_iter, c.policy, c.nonfinite) == (True, 1, "fixed", "raise")
     assert (c.bucket_cap_mb, c.min_compression_rate, c.warm_start) == (25, 2.0, True)
     assert c.method == "none"
     assert CompressionConfig(gradient_compression="int8").method == "int8"

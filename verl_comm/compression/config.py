@@ -64,10 +64,13 @@ class CompressionConfig(BaseModel):
         "at most one bf16 copy of the gradients, float32 is exact but twice that.",
     )
     start_iter: int = Field(
-        2,
-        description="First iteration (counted in gradient reductions) that compresses; "
-        "earlier ones use a plain all-reduce because DDP rebuilds its buckets during the "
-        "first iterations. Must be >= 1.",
+        1,
+        description="First iteration (counted in gradient reductions, from 0) that "
+        "compresses; earlier ones use a plain all-reduce. 1 is the earliest correct value: "
+        "DDP and verl_comm's reducer rebuild their buckets once after iteration 0, and the "
+        "hooks' per-bucket state (error feedback, low-rank Q) is keyed by the final "
+        "buckets. So even a 2-step run with one reduction per step compresses its second "
+        "step (torch's PowerSGD asks for >= 2 for the same reason, one step later).",
     )
     policy: Literal["fixed", "auto"] = Field(
         "fixed",
@@ -113,7 +116,7 @@ class CompressionConfig(BaseModel):
             raise ValueError(
                 f"start_iter must be >= 1, got {v}; DDP rebuilds its buckets after the "
                 "first iteration, so compression may start at iteration 1 at the earliest "
-                "(default 2)"
+                "(the default)"
             )
         return v
 
