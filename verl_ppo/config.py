@@ -201,7 +201,15 @@ class TrainConfig(_Strict):
     log_interval: int = Field(1, gt=0, description="steps between metric lines")
     eval_interval: int = Field(0, ge=0, description="steps between evals; 0 = start and end only")
     save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0 = end only")
-    resume: Literal["auto", "never"] = Field("auto", description="resume from run_dir's latest")
+    resume: Literal["auto", "never"] = Field(
+        "auto",
+        description="auto: continue from run_dir's latest complete checkpoint (a run_dir "
+        "with metrics but no checkpoint is refused); never: start at step 0, moving an old "
+        "metrics.jsonl and checkpoints/ aside (see verl_ppo/run_folder.py)",
+    )
+    keep_last_checkpoints: int = Field(
+        2, ge=0, description="complete checkpoints kept in run_dir (older removed); 0 = all"
+    )
     sequence_packing: bool = Field(
         False, description="pack valid tokens of a micro-batch into one row (no compute on padding)"
     )
@@ -376,16 +384,26 @@ class PPOConfig(_Strict):
             ConfigError: a global batch does not divide across ranks or micro-batches.
         """
         t = self.train
-        local_rollout = exact_div(
-            t.rollout_batch_size, world_size, "train.rollout_batch_size", "ranks"
-        )
-        local_mini = exact_div(
-            t.ppo_mini_batch_size, world_size, "train.ppo_mini_batch_size", "ranks"
-        )
+
+        def per_rank(value: int, key: str) -> int:
+            fix = (
+                f"make {key} a multiple of {world_size}, or run a number of ranks in "
+                f"{_divisors(value)} (comm.nproc, or torchrun --nproc_per_node)"
+            )
+            return exact_div(value, world_size, key, "ranks", fix)
+
+        local_rollout = per_rank(t.rollout_batch_size, "train.rollout_batch_size")
+        local_mini = per_rank(t.ppo_mini_batch_size, "train.ppo_mini_batch_size")
         micro = min(t.micro_batch_size, local_mini)
-        grad_accum = exact_div(
-            local_mini, micro, "per-rank ppo_mini_batch_size", "train.micro_batch_size"
-        )
+        if local_mini % micro:
+            raise ConfigError(
+                f"train.micro_batch_size={t.micro_batch_size} does not divide the per-rank "
+                f"mini-batch (train.ppo_mini_batch_size={t.ppo_mini_batch_size} / {world_size} "
+                f"ranks = {local_mini}): set train.micro_batch_size to one of "
+                f"{_divisors(local_mini)}, or train.ppo_mini_batch_size to a multiple of "
+                f"{micro * world_size}"
+            )
+        grad_accum = local_mini // micro
         return Derived(
             world_size=world_size,
             local_rollout_batch_size=local_rollout,
@@ -394,6 +412,8 @@ class PPOConfig(_Strict):
                 self.algorithm.n_samples,
                 "per-rank rollout batch (train.rollout_batch_size / ranks)",
                 "algorithm.n_samples",
+                f"make train.rollout_batch_size a multiple of {self.algorithm.n_samples} x "
+                f"{world_size} ranks = {self.algorithm.n_samples * world_size}",
             ),
             local_mini_batch_size=local_mini,
             local_micro_batch_size=micro,
@@ -415,13 +435,18 @@ class Derived:
     num_mini_batches: int
 
 
-def exact_div(a: int, b: int, what: str, by: str) -> int:
-    """``a // b``, raising :class:`ConfigError` naming ``what`` and ``by`` when ``b`` does not divide ``a``."""
+def exact_div(a: int, b: int, what: str, by: str, fix: str | None = None) -> int:
+    """``a // b``, raising :class:`ConfigError` naming ``what``, ``by`` and the fix when
+    ``b`` does not divide ``a`` (``fix`` defaults to "choose a multiple of b")."""
     if b <= 0 or a % b:
         raise ConfigError(
-            f"{what}={a} does not divide evenly by {by} ({b}): choose a multiple of {b}"
+            f"{what}={a} does not divide evenly by {by} ({b}): {fix or f'choose a multiple of {b}'}"
         )
     return a // b
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _format_validation_error(exc: ValidationError) -> str:

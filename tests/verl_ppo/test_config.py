@@ -113,3 +113,20 @@ def test_profiler_steps_and_output_dir_checked_up_front(tmp_path):
     with pytest.raises(ValueError, match="profiler.output_dir: .* cannot be created"):
         PPOConfig(profiler={"enable": True, "output_dir": str(afile / "sub")})
     PPOConfig(profiler={"enable": False, "output_dir": str(afile)})  # off: not checked
+
+
+def test_micro_batch_not_dividing_names_the_divisors():
+    cfg = build_config({"train": {"micro_batch_size": 3}})  # mini-batch 8 over 2 ranks = 4
+    with pytest.raises(
+        ConfigError,
+        match=r"train.micro_batch_size=3 does not divide the per-rank mini-batch .* = 4\): "
+        r"set train.micro_batch_size to one of \[1, 2, 4\], or train.ppo_mini_batch_size "
+        r"to a multiple of 6",
+    ):
+        cfg.derived(2)
+
+
+def test_ranks_not_dividing_the_batch_name_the_rank_counts():
+    cfg = build_config({"comm": {"nproc": 3}})
+    with pytest.raises(ConfigError, match=r"run a number of ranks in \[1, 2, 4, 8\] \(comm.nproc"):
+        cfg.derived(cfg.comm.nproc)

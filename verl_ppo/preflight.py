@@ -1,0 +1,110 @@
+"""Checks that a config file can fail, run once before any rank starts.
+
+``verl-ppo train`` and the Python API call :func:`preflight` in the launching process; under
+torchrun every rank calls it before it initialises the process group. Everything that only
+needs the config, the world size and the model's own ``config.json`` is checked here, so a
+mistake costs seconds, not a model load on every rank:
+
+- batch shapes against the world size (:meth:`PPOConfig.derived`: rollout and mini-batch
+  per rank, micro-batches, samples per prompt);
+- the task name and ``data.task_kwargs`` (reasoning-gym builds the dataset config);
+- the model folder (the packaged SmolLM2 is converted into its cache here, once) and, with
+  the hybrid engine on, its heads, KV heads, intermediate size, vocabulary and layers
+  against the training and rollout layouts (the same
+  :func:`verl_ppo.reshard.engine.build_plan` checks the engine runs later);
+- ``comm.master_port``.
+
+Every failure is a :class:`PreflightError` whose message names the field and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verl_ppo.config import ConfigError, PPOConfig
+
+
+class PreflightError(ValueError):
+    """A configuration that cannot run; the message names the field and the fix."""
+
+
+def model_config_of(cfg: PPOConfig) -> Any:
+    """The HF config the run will build its policy from, without loading weights.
+
+    ``model.tiny``: the config built from those fields (vocabulary from the tokenizer, as
+    :func:`verl_ppo.models.build_policy` does); otherwise the folder's ``config.json``.
+
+    Raises:
+        verl_ppo.data.model_store.ModelStoreError: no usable model folder.
+        ValueError: bad ``model.tiny`` fields.
+    """
+    from transformers import AutoConfig
+
+    from verl_ppo.data.model_store import resolve_model_path
+
+    if cfg.model.tiny is not None:
+        from verl_ppo.models import _tiny_config, load_tokenizer
+
+        return _tiny_config(cfg.model, load_tokenizer(cfg.model))
+    return AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+
+
+def check_hybrid_engine(cfg: PPOConfig, world_size: int, model_config: Any) -> None:
+    """Training and rollout layouts of ``actor.model_config.hybrid_engine`` against the
+    world size and the model's dimensions (no-op when the hybrid engine is off).
+
+    Raises:
+        PreflightError: naming ``actor.model_config.hybrid_engine.<...>`` and the degrees
+            the model allows.
+    """
+    he = cfg.actor.model_config_.hybrid_engine
+    if not he.enable:
+        return
+    from verl_ppo.reshard.engine import build_plan
+
+    ts = he.training_sharding.model_copy(update={"zero_stage": cfg.actor.zero_stage})
+    he = he.model_copy(update={"training_sharding": ts})
+    prefix = "actor.model_config.hybrid_engine."
+    try:
+        train, rollout = he.layouts(world_size)
+        build_plan(model_config, train, rollout, world_size, choose_placement=False)
+    except ValueError as exc:
+        raise PreflightError(f"{prefix}{exc}") from None
+
+
+def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
+    """Every check a config file can fail, for a run of ``world_size`` ranks.
+
+    Args:
+        cfg: the validated config.
+        world_size: ranks of the run (``comm.nproc``, or torchrun's ``WORLD_SIZE``).
+        check_port: also check that ``comm.master_port`` (when set) is free (the launcher
+            only: under torchrun the rendezvous already owns it).
+
+    Raises:
+        PreflightError: with one message naming the field and the fix.
+    """
+    from verl_ppo.data.model_store import ModelStoreError
+    from verl_ppo.data.tasks import Task, TaskError
+    from verl_ppo.distributed import check_port_free
+
+    try:
+        cfg.derived(world_size)
+    except ConfigError as exc:
+        raise PreflightError(str(exc)) from None
+    try:  # reasoning-gym validates the task arguments when it builds the dataset
+        Task(
+            cfg.data.task, train_size=1, eval_size=1, seed=cfg.seed, overrides=cfg.data.task_kwargs
+        )
+    except TaskError as exc:
+        raise PreflightError(str(exc)) from None
+    try:
+        model_config = model_config_of(cfg)
+    except (ModelStoreError, ValueError, OSError) as exc:
+        raise PreflightError(f"model: {exc}") from None
+    check_hybrid_engine(cfg, world_size, model_config)
+    if check_port and cfg.comm.master_port:
+        try:
+            check_port_free(cfg.comm.master_port)
+        except OSError as exc:
+            raise PreflightError(str(exc)) from None
