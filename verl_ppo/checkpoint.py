@@ -12,6 +12,11 @@ Layout under ``run_dir/checkpoints``::
 
 A crash mid-write leaves a ``.tmp-step_*`` folder that is never loaded (and is removed by
 the next save); ``LATEST`` only ever names folders that hold ``COMPLETE``.
+
+Rotation (``train.keep_last_checkpoints``, default 2): after ``LATEST`` names the new
+checkpoint, rank 0 removes the oldest complete ``step_*`` folders beyond the newest ``keep``
+(never the one ``LATEST`` names). Two, not one: a crash while the newest is being written
+still leaves the previous one, and the one before can be compared against.
 """
 
 from __future__ import annotations
@@ -27,6 +32,38 @@ import torch
 from verl_comm.distributed import DistContext
 
 
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint ``root/LATEST`` names, or None (an incomplete one is ignored)."""
+    marker = root / "LATEST"
+    if not marker.is_file():
+        return None
+    path = root / marker.read_text().strip()
+    return path if (path / "COMPLETE").is_file() else None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint folders under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and (p / "COMPLETE").is_file())
+
+
+def rotate_checkpoints(root: Path, keep_last: int) -> list[Path]:
+    """Remove complete checkpoints beyond the newest ``keep_last`` (0 = keep all), never the
+    one ``LATEST`` names (``train.keep_last_checkpoints``; called by rank 0 after a save).
+
+    Returns:
+        The removed folders.
+    """
+    if keep_last <= 0:
+        return []
+    latest = latest_checkpoint(root)
+    old = [p for p in complete_checkpoints(root)[:-keep_last] if p != latest]
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
+
+
 class CheckpointManager:
     """Saves and finds checkpoints of one run.
 
@@ -35,24 +72,25 @@ class CheckpointManager:
         ctx: the job's distributed context: this rank, and the barriers between the writing
             stages (each bounded by ``ctx.timeout_s``).
         group: process group of the barriers (default ``ctx.group``, every rank).
+        keep_last: complete checkpoints kept after each save (0 = all), see
+            :func:`rotate_checkpoints`.
     """
 
-    def __init__(self, run_dir: str | Path, ctx: DistContext, group: Any = None) -> None:
+    def __init__(
+        self, run_dir: str | Path, ctx: DistContext, group: Any = None, keep_last: int = 0
+    ) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.ctx = ctx
         self.rank = ctx.rank
         self.group = ctx.group if group is None else group
+        self.keep_last = keep_last
 
     def _barrier(self) -> None:
         self.ctx.barrier(self.group)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None (an incomplete one is ignored)."""
-        marker = self.root / "LATEST"
-        if not marker.is_file():
-            return None
-        path = self.root / marker.read_text().strip()
-        return path if (path / "COMPLETE").is_file() else None
+        return latest_checkpoint(self.root)
 
     def save(self, step: int, engines: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
         """Write checkpoint ``step`` (collective: every rank calls it).
@@ -84,6 +122,7 @@ class CheckpointManager:
             latest_tmp = self.root / "LATEST.tmp"
             latest_tmp.write_text(name)
             os.replace(latest_tmp, self.root / "LATEST")
+            rotate_checkpoints(self.root, self.keep_last)
         self._barrier()
         return final
 

@@ -272,14 +272,19 @@ class ExperienceMaker:
         return exp, m
 
     @torch.no_grad()
-    def greedy_scores(self, split: str, indices: list[int]) -> torch.Tensor:
+    def greedy_scores(
+        self, split: str, indices: list[int], texts: list[str] | None = None
+    ) -> torch.Tensor:
         """Scores ``(len(indices),)`` float32 of greedy responses (at most
-        ``rollout.eval_max_new_tokens``) to the samples ``indices`` of ``split``."""
+        ``rollout.eval_max_new_tokens``) to the samples ``indices`` of ``split``; the decoded
+        responses are appended to ``texts`` when given (the printed eval samples)."""
         samples = [self.task.sample(self.tokenizer, split, j) for j in indices]
         ids, mask = self.encode([s.prompt for s in samples])
         seqs = self.generate(ids, mask, True, self.config.rollout.eval_max_new_tokens, 0)
         resp = seqs[:, ids.shape[1] :]
         rmask = self._response_mask(resp)
+        if texts is not None:
+            texts.extend(self.decode(resp, rmask))
         return self.score(ids, mask, resp, rmask, [s.entry for s in samples])
 
     def close(self) -> None:

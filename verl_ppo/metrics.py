@@ -68,41 +68,59 @@ class PhaseTimer:
 
 
 class MetricsWriter:
-    """Appends one JSON object per call to ``run_dir/metrics.jsonl`` (rank 0 only)."""
+    """One JSON object per step in ``run_dir/metrics.jsonl`` (rank 0 only).
+
+    The file never holds two rows of one step: a row for a step already in the file (the
+    step-0 eval, a step repeated after a resume) replaces the old row in place (the file is
+    rewritten atomically), every other row is appended.
+    """
 
     def __init__(self, run_dir: str | Path, enabled: bool) -> None:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
+        self._steps: set[Any] = set()
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._steps = {r.get("step") for r in self._read()}
+
+    def _read(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
+
+    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+        tmp.replace(self.path)
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after ``step`` (on resume: those steps run again), atomically."""
         if not self.enabled or not self.path.is_file():
             return
-        keep = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(self.path)
+        keep = [r for r in self._read() if r.get("step", 0) <= step]
+        self._rewrite(keep)
+        self._steps = {r.get("step") for r in keep}
 
     def write(self, record: dict[str, Any]) -> None:
-        """Write ``record`` (non-finite floats become null)."""
+        """Write ``record`` (non-finite floats become null), replacing a row of its step."""
         if not self.enabled:
             return
         clean = {
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in record.items()
         }
+        step = clean.get("step")
+        if step in self._steps:
+            self._rewrite([clean if r.get("step") == step else r for r in self._read()])
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(clean, sort_keys=True) + "\n")
+        self._steps.add(step)
 
 
-def format_line(step: int, m: dict[str, float]) -> str:
-    """The human log line of a step: reward, eval, KL, entropy, clip, value loss, length, speed, phases."""
+def format_line(step: int, m: dict[str, float], comm_method: str | None = None) -> str:
+    """The human log line of a step: reward, eval, KL, entropy, clip, value loss, length, speed,
+    compression (method and ratio per role, see :func:`verl_ppo.report.comm_part`), phases."""
     keys = [
         ("reward", "reward/mean"),
         ("eval", "eval/reward"),
@@ -122,4 +140,8 @@ def format_line(step: int, m: dict[str, float]) -> str:
         for k, v in m.items()
         if k.startswith("timing_s/") and k != "timing_s/step"
     ]
+    if comm_method is not None and "reward/mean" in m:  # a training step
+        from verl_ppo.report import comm_part
+
+        parts.append(comm_part(m, comm_method))
     return " | ".join(parts) + (" | " + " ".join(phases) if phases else "")

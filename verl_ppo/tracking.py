@@ -62,16 +62,20 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
 class ConsoleLogger:
     """One line per logged step through ``write`` (default: ``tqdm.write``, bar-safe)."""
 
-    def __init__(self, write: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, write: Callable[[str], None] | None = None, comm_method: str | None = None
+    ) -> None:
         if write is None:
             from tqdm import tqdm
 
             write = tqdm.write
         self.write = write
+        self.comm_method = comm_method
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Print :func:`~verl_ppo.metrics.format_line` of the step."""
-        self.write(format_line(step, metrics))
+        """Print :func:`~verl_ppo.metrics.format_line` of the step (with the compression
+        field when ``comm_method``, the run's ``gradient_compression``, is set)."""
+        self.write(format_line(step, metrics, comm_method=self.comm_method))
 
     def close(self) -> None:
         """Nothing to release."""
@@ -223,6 +227,7 @@ def build_tracking(
     resume_step: int = 0,
     config_dict: dict[str, Any] | None = None,
     console_write: Callable[[str], None] | None = None,
+    comm_method: str | None = None,
 ) -> Tracking:
     """The backends of ``train.logger`` on rank 0, none elsewhere.
 
@@ -234,6 +239,7 @@ def build_tracking(
         resume_step: the step the run resumes from (0 = fresh).
         config_dict: the whole configuration, stored with the wandb run.
         console_write: where console lines go (default ``tqdm.write``).
+        comm_method: ``gradient_compression`` of the run, shown on the console line.
 
     Raises:
         ImportError: a backend's library is missing (config validation reports it first).
@@ -247,7 +253,7 @@ def build_tracking(
     loggers: list[MetricLogger] = []
     for n in train_cfg.logger:
         if n == "console":
-            loggers.append(ConsoleLogger(console_write))
+            loggers.append(ConsoleLogger(console_write, comm_method))
         elif n == "jsonl":
             loggers.append(JsonlLogger(run_dir, resume_step))
         elif n == "tensorboard":

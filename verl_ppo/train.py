@@ -40,7 +40,7 @@ def run_rank(config_path: str | None, overrides: list[str]) -> int:
         trainer.run()
     finally:
         trainer.close()
-    return 0
+    return 128 + trainer.stopped_by if trainer.stopped_by else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     if under_launcher:
         from verl_ppo.launch import rank_main
 
+        if not os.environ.get("VERL_PPO_LAUNCHED"):  # torchrun: no parent checked the config
+            from verl_ppo.preflight import PreflightError, preflight
+
+            try:
+                preflight(cfg, int(os.environ["WORLD_SIZE"]), check_port=False)
+            except PreflightError as exc:
+                if os.environ["RANK"] == "0":  # every rank fails alike: say it once
+                    print(f"verl-ppo: {exc}", file=sys.stderr)
+                return 2
         os.environ.setdefault("VERL_PPO_RUN_DIR", str(cfg.run_dir))  # tracebacks go there
 
         return rank_main(lambda: run_rank(args.config, args.overrides))

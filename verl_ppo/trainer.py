@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import random
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from verl_comm.profiler import VerlProfiler
@@ -60,6 +62,8 @@ from verl_ppo.roles import Actor, Critic, Reference
 from verl_ppo.strategy import DeepSpeedStrategy, ds_config
 from verl_ppo.tracking import build_tracking
 
+SAMPLES_SHOWN = 3  # held-out prompt/response/reward triples printed at start and end
+
 
 def _resolve_dtype(name: str, cuda: bool) -> torch.dtype:
     if name == "auto":
@@ -76,9 +80,12 @@ class PPOTrainer:
             ``gradient_compression="int8"``, ``compression_rank=64``, ``seed=1`` or dotted
             paths ``**{"train.num_steps": 3}``.
 
-    Call :meth:`run` from every rank of an initialised process group (the CLI and
-    ``python -m verl_ppo.train`` do that); in a plain single process, :meth:`run` starts a
-    one-rank gloo group itself.
+    :meth:`run` in a plain process (no torchrun variables, no process group) launches
+    ``comm.nproc`` ranks exactly as ``verl-ppo train`` does and waits for them
+    (:func:`verl_ppo.launch.launch`); with ``comm.nproc=1`` it trains in this process.
+    Under torchrun, our launcher or an existing process group it trains in-process as one
+    rank of that group. A world of one rank with ``gradient_compression`` set warns that
+    nothing is communicated.
 
     Raises:
         verl_ppo.config.ConfigError: invalid configuration (before any process group).
@@ -93,11 +100,13 @@ class PPOTrainer:
         self._ready = False
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.stopped_by = 0  # the signal that stopped the last run (0 = none)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Build models, engines, task and reward (collective across ranks)."""
         cfg = self.config
+        self._t_setup = time.time()
         self.ctx, self._owns_group = ensure_process_group(cfg)
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.group = self.ctx.group  # data-parallel group: every rank
@@ -163,11 +172,18 @@ class PPOTrainer:
                 self.log.info("prometheus metrics on %s", self.monitor.url)
         kl = cfg.algorithm.kl
         self.kl_ctrl = make_kl_controller(kl.controller, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.ckpt = CheckpointManager(cfg.run_dir, self.ctx, self.group)
+        self._claim_run_dir()
+        keep = cfg.train.keep_last_checkpoints
+        self.ckpt = CheckpointManager(cfg.run_dir, self.ctx, self.group, keep_last=keep)
         if cfg.train.resume == "auto":
             self._maybe_resume()
         self.tracking = build_tracking(
-            cfg.train, cfg.run_dir, self.rank, self.step, cfg.model_dump(by_alias=True)
+            cfg.train,
+            cfg.run_dir,
+            self.rank,
+            self.step,
+            cfg.model_dump(by_alias=True),
+            comm_method=cfg.compression.gradient_compression,
         )
         self._ready = True
 
@@ -234,6 +250,37 @@ class PPOTrainer:
             for role, s in self.engines.items()
             if s.grad_comm is not None and s.grad_comm.active
         }
+
+    def _claim_run_dir(self) -> None:
+        """Lock ``run_dir`` and apply ``train.resume``'s fresh-start policy, unless our
+        launcher already did (it holds the lock for the ranks). Rank 0 decides; every rank
+        raises the same error (collective). Warns when compression has no peer."""
+        from verl_ppo.run_folder import RunDirError, RunDirLock, prepare_run_dir
+
+        cfg = self.config
+        if self.world == 1 and cfg.compression.gradient_compression != "none" and self.rank == 0:
+            self.log.warning(
+                "world size 1: gradient_compression=%s has no peer, nothing is communicated "
+                "(launch comm.nproc >= 2 ranks: verl-ppo train, or PPOTrainer(...).run() in a "
+                "plain process)",
+                cfg.compression.gradient_compression,
+            )
+        if os.environ.get("VERL_PPO_LAUNCHED"):
+            return
+        error = ""
+        if self.rank == 0:
+            try:
+                self._lock = RunDirLock(cfg.run_dir).acquire()
+                for line in prepare_run_dir(cfg.run_dir, cfg.train.resume):
+                    self.log.info("%s", line)
+            except RunDirError as exc:
+                error = str(exc)
+        if self.world > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            error = box[0]
+        if error:
+            raise RunDirError(error)
 
     def _strategy(self, role_cfg: Any, engines_cfg: dict[str, Any]) -> DeepSpeedStrategy:
         """The DeepSpeed strategy of one role (``actor`` or ``critic`` config section), with
@@ -364,8 +411,15 @@ class PPOTrainer:
         return dict(zip(keys, t.tolist()))
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean reward of greedy responses on the held-out split (all ranks, collective)."""
+    def evaluate(self, keep: list | None = None) -> float:
+        """Mean reward of greedy responses on the held-out split (all ranks, collective).
+
+        Args:
+            keep: when given, this rank appends :class:`verl_ppo.report.Sample` triples
+                (question, response, reward) of its first ``SAMPLES_SHOWN`` prompts to it.
+        """
+        from verl_ppo.report import Sample
+
         n = len(self.task.eval)
         mine = list(range(self.rank, n, self.world))
         total = torch.zeros(2, dtype=torch.float64)
@@ -373,8 +427,14 @@ class PPOTrainer:
         self.actor.module.eval()
         for i in range(0, len(mine), bs):
             idx = mine[i : i + bs]
-            scores = self.experience_maker.greedy_scores("eval", idx)
+            texts: list[str] | None = [] if keep is not None and len(keep) < SAMPLES_SHOWN else None
+            scores = self.experience_maker.greedy_scores("eval", idx, texts)
             total += torch.tensor([float(scores.sum()), len(idx)], dtype=torch.float64)
+            if texts is not None:
+                for j, text, r in zip(idx, texts, scores.tolist()):
+                    question = self.task.sample(self.tokenizer, "eval", j).question
+                    keep.append(Sample(question, text, float(r)))
+                del keep[SAMPLES_SHOWN:]
         if self.world > 1:
             total = self.ctx.all_reduce(total.to(self.ctx.device), group=self.group, name="eval")
             total = total.cpu()
@@ -419,48 +479,131 @@ class PPOTrainer:
     # ------------------------------------------------------------------- run
     def run(self, num_steps: int | None = None) -> list[dict[str, float]]:
         """Train until step ``num_steps`` (default ``train.num_steps``); returns the logged
-        metrics of this call's steps. Evaluates at the start and end, checkpoints at the end."""
+        metrics of this call's steps. Evaluates at the start and end (printing a few sampled
+        prompt/response/reward triples), checkpoints at the end, ends with one summary line.
+
+        In a plain process with ``comm.nproc > 1`` this launches the ranks (see the class
+        docstring) and returns the steps they wrote to ``run_dir/metrics.jsonl``.
+        SIGINT/SIGTERM stop the run at the next step boundary after a checkpoint
+        (:attr:`stopped_by` then holds the signal).
+
+        Raises:
+            RuntimeError: the launched ranks failed (exit code and message named).
+        """
+        if not self._ready and self._should_launch():
+            return self._launch(num_steps)
+        from verl_ppo.report import RunSummary, format_samples
+        from verl_ppo.run_folder import StopRequest
+
         if not self._ready:
             self.setup()
         cfg = self.config
+        method = cfg.compression.gradient_compression
+        summary = RunSummary(method, cfg.compression.start_iter, self.world)
+        t0 = float(os.environ.get("VERL_PPO_T0", self._t_setup))
         total = num_steps if num_steps is not None else cfg.train.num_steps
         want_eval = cfg.data.eval_size > 0
         if want_eval and self.step == 0:
-            e0 = self.evaluate()
+            samples: list = []
+            e0 = self.evaluate(samples)
+            summary.eval_start = e0
             self.tracking.log({"eval/reward": e0}, step=0)
+            self.log.info("%s", format_samples("held-out samples at step 0 (greedy):", samples))
+        elif self.step:
+            self.log.info("resuming at step %d of %d", self.step, total)
+        stop = StopRequest().install()
         bar = tqdm(
             total=total, initial=self.step, disable=self.rank != 0, desc="ppo", dynamic_ncols=True
         )
         out = []
-        t_start = time.perf_counter()
+        saved_at = -1
         self.profiler.start(first_step=self.step + 1)  # numbered as in the log
-        while self.step < total:
-            m = self.train_step(self.step)
-            self.profiler.step()
-            self.step += 1
-            if want_eval and (
-                self.step == total
-                or (cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0)
-            ):
-                m["eval/reward"] = self.evaluate()
-            m["step"] = self.step
-            self.history.append(m)
-            out.append(m)
-            if self.step % cfg.train.log_interval == 0 or self.step == total:
-                self.tracking.log(m, step=self.step)
-            if cfg.train.save_interval and self.step % cfg.train.save_interval == 0:
-                self.save_checkpoint()
-            bar.update(1)
-        bar.close()
+        try:
+            while self.step < total:
+                self.stopped_by = stop.agreed(self.ctx, self.group)
+                if self.stopped_by:
+                    break
+                m = self.train_step(self.step)
+                self.profiler.step()
+                self.step += 1
+                summary.observe(m)
+                if want_eval and (
+                    self.step == total
+                    or (cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0)
+                ):
+                    samples = []
+                    m["eval/reward"] = self.evaluate(samples if self.step == total else None)
+                    summary.eval_end = m["eval/reward"]
+                m["step"] = self.step
+                self.history.append(m)
+                out.append(m)
+                if self.step % cfg.train.log_interval == 0 or self.step == total:
+                    self.tracking.log(m, step=self.step)
+                if cfg.train.save_interval and self.step % cfg.train.save_interval == 0:
+                    self.save_checkpoint()
+                    saved_at = self.step
+                bar.update(1)
+        finally:
+            stop.restore()
+            bar.close()
         if self.profiler.stop() is not None and self.rank == 0:
             self.log.info(
                 "profile in %s; read it with: verl-comm profile report %s",
                 self.profiler.output_dir,
                 self.profiler.output_dir,
             )
-        if not cfg.train.save_interval or self.step % cfg.train.save_interval:
+        if saved_at != self.step and self.step > 0:
             path = self.save_checkpoint()
-            self.log.info("checkpoint %s (%.1f s total)", path, time.perf_counter() - t_start)
+            self.log.info("checkpoint %s", path)
+        if self.stopped_by:
+            self.log.warning(
+                "signal %d: stopped after step %d with a checkpoint; run the same command to "
+                "resume",
+                self.stopped_by,
+                self.step,
+            )
+        elif want_eval and summary.eval_end is not None:
+            self.log.info("%s", format_samples(f"held-out samples at step {self.step}:", samples))
+        notice = summary.never_compressed()
+        if notice and self.rank == 0:
+            self.log.warning("%s", notice)
+        if self.rank == 0:
+            self.log.info("%s", summary.line(time.time() - t0, self.stopped_by))
+        return out
+
+    def _should_launch(self) -> bool:
+        """True in a plain process (no process group, no torchrun/launcher variables) asked
+        for more than one rank."""
+        plain = not dist.is_initialized() and not (
+            "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        )
+        return plain and self.config.comm.nproc > 1
+
+    def _launch(self, num_steps: int | None) -> list[dict[str, float]]:
+        """Launch ``comm.nproc`` ranks as ``verl-ppo train`` does; their logged steps."""
+        import json
+
+        from verl_ppo.launch import launch
+
+        cfg = self.config
+        if num_steps is not None:
+            cfg = cfg.model_copy(
+                update={"train": cfg.train.model_copy(update={"num_steps": num_steps})}
+            )
+        metrics = Path(cfg.run_dir) / "metrics.jsonl"
+        code = launch(cfg, None, [])
+        if code in (130, 143):
+            self.stopped_by = code - 128
+        elif code:
+            raise RuntimeError(
+                f"verl-ppo: the {cfg.comm.nproc} launched ranks failed (exit code {code}); "
+                f"see the message above and {cfg.run_dir}/error_rank*.txt"
+            )
+        text = metrics.read_text() if metrics.is_file() else ""  # no jsonl in train.logger
+        rows = [json.loads(x) for x in text.splitlines() if x.strip()]
+        out = [r for r in rows if "reward/mean" in r]
+        self.step = max((r["step"] for r in out), default=self.step)
+        self.history.extend(out)
         return out
 
     def close(self) -> None:
