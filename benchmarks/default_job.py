@@ -1,0 +1,298 @@
+"""The default main job, as a user runs it, on several seeds: does it visibly learn in time?
+
+Runs ``python -m verl_ppo.train --config configs/default.yaml seed=S`` once per seed
+(sequentially, each in its own run folder with ``train.resume=never``), then writes
+
+- ``default_job.jsonl``: per seed one record ``metric: eval_gain`` with ``seed``,
+  ``eval_start``, ``eval_end``, ``wall_s`` (the whole command, model load included),
+  ``cpu_s`` (CPU seconds of the launcher and its ranks: what the run costs without the
+  other users of a shared CPU), the 1-minute load average before and after, the first
+  step's clip fraction and actor gradient norm; per seed and eval ``metric: eval_reward``
+  and per step ``metric: train_reward``; one ``metric: target`` record (all seeds gain
+  >= 0.15 and more than the seeds' spread at start; every wall time under 10 minutes);
+- ``default_job.md`` (generated from the records of this run) and ``default_job.png``
+  (held-out eval reward per seed against the step, train reward faint).
+
+    python benchmarks/default_job.py --seeds 0 1 2            # ~3 x 6 min on a 2-core CPU
+    python benchmarks/default_job.py --smoke --out /tmp/x     # CI: tiny model, 2 seeds x 2 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "configs/default.yaml"
+GAIN_MIN = 0.15
+WALL_MAX_S = 600.0
+
+
+def _cpu_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_seed(config: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
+    """Run the job for one seed; returns wall/CPU seconds, loads, exit code and its rows.
+
+    Raises:
+        RuntimeError: the job failed (its log's tail in the message).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    cmd = [sys.executable, "-m", "verl_ppo.train", "--config", config, f"seed={seed}"]
+    cmd += [f"run_dir={run_dir}", "train.resume=never", *extra]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    load0, cpu0, t0 = os.getloadavg()[0], _cpu_children(), time.monotonic()
+    with open(run_dir / "job.log", "w") as log:
+        r = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wall, cpu, load1 = time.monotonic() - t0, _cpu_children() - cpu0, os.getloadavg()[0]
+    text = (run_dir / "job.log").read_text()
+    if r.returncode:
+        raise RuntimeError(f"seed {seed}: exit code {r.returncode}\n{text[-3000:]}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    summary = [ln for ln in text.splitlines() if "] done | eval" in ln]
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "load_1m_start": load0,
+        "load_1m_end": load1,
+        "rows": rows,
+        "summary_line": summary[-1].split("] ", 1)[-1] if summary else None,
+    }
+
+
+def check(rows: list[dict], num_steps: int) -> tuple[float, float]:
+    """(eval at step 0, eval at the last step), after checking the rows make sense.
+
+    Raises:
+        ValueError: missing eval rows, a step count other than ``num_steps``, a reward
+            outside [0, 1] or a step logged twice.
+    """
+    steps = [r["step"] for r in rows]
+    if len(steps) != len(set(steps)):
+        raise ValueError(f"a step is logged twice: {steps}")
+    evals = {r["step"]: r["eval/reward"] for r in rows if r.get("eval/reward") is not None}
+    if 0 not in evals or num_steps not in evals:
+        raise ValueError(f"eval rows at steps 0 and {num_steps} expected, got {sorted(evals)}")
+    if not all(0.0 <= v <= 1.0 for v in evals.values()):
+        raise ValueError(f"eval reward outside [0, 1]: {evals}")
+    return evals[0], evals[num_steps]
+
+
+def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
+    """The JSON records of one run (all seeds, one ``run_id``)."""
+    out = []
+    starts, gains, walls = [], [], []
+    for seed, res in sorted(results.items()):
+        e0, e1 = check(res["rows"], num_steps)
+        steps = [r for r in res["rows"] if "reward/mean" in r]
+        first = next(r for r in steps if r["step"] == 1)
+        starts.append(e0)
+        gains.append(e1 - e0)
+        walls.append(res["wall_s"])
+        out.append(
+            {
+                **meta,
+                "metric": "eval_gain",
+                "value": e1 - e0,
+                "unit": "reward",
+                "seed": seed,
+                "eval_start": e0,
+                "eval_end": e1,
+                "wall_s": round(res["wall_s"], 1),
+                "cpu_s": round(res["cpu_s"], 1),
+                "load_1m_start": round(res["load_1m_start"], 2),
+                "load_1m_end": round(res["load_1m_end"], 2),
+                "steps": num_steps,
+                "clipfrac_step1": first.get("actor/pg_clipfrac"),
+                "clipfrac_max": max(r.get("actor/pg_clipfrac") or 0.0 for r in steps),
+                "actor_grad_norm_step1": first.get("actor/grad_norm"),
+                "tokens_per_s": sum(r["perf/tokens"] for r in steps)
+                / max(sum(r["timing_s/step"] for r in steps), 1e-9),
+                "summary_line": res["summary_line"],
+            }
+        )
+        for r in res["rows"]:
+            if r.get("eval/reward") is not None:
+                out.append(
+                    {
+                        **meta,
+                        "metric": "eval_reward",
+                        "value": r["eval/reward"],
+                        "unit": "reward",
+                        "seed": seed,
+                        "step": r["step"],
+                    }
+                )
+            if "reward/mean" in r:
+                out.append(
+                    {
+                        **meta,
+                        "metric": "train_reward",
+                        "value": r["reward/mean"],
+                        "unit": "reward",
+                        "seed": seed,
+                        "step": r["step"],
+                    }
+                )
+    spread = max(starts) - min(starts)
+    met = min(gains) >= GAIN_MIN and min(gains) > spread
+    out.append(
+        {
+            **meta,
+            "metric": "target",
+            "value": float(met and max(walls) < WALL_MAX_S),
+            "unit": "bool",
+            "seeds": sorted(results),
+            "spread_start": spread,
+            "min_gain": min(gains),
+            "gain_target_met": met,
+            "max_wall_s": round(max(walls), 1),
+            "wall_target_met": max(walls) < WALL_MAX_S,
+        }
+    )
+    return out
+
+
+def write(recs: list[dict], out: Path, stem: str) -> None:
+    """Append ``recs`` to ``<stem>.jsonl``; generate ``<stem>.md`` and ``<stem>.png`` from them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{stem}.jsonl", "a") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+    per_seed = [r for r in recs if r["metric"] == "eval_gain"]
+    target = next(r for r in recs if r["metric"] == "target")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, s in enumerate(target["seeds"]):
+        color = f"C{i}"
+        ev = [r for r in recs if r["metric"] == "eval_reward" and r["seed"] == s]
+        tr = [r for r in recs if r["metric"] == "train_reward" and r["seed"] == s]
+        ax.plot([r["step"] for r in tr], [r["value"] for r in tr], color=color, alpha=0.25)
+        ax.plot(
+            [r["step"] for r in ev],
+            [r["value"] for r in ev],
+            "o-",
+            color=color,
+            label=f"seed {s}: held-out eval (greedy)",
+        )
+    ax.set_xlabel("PPO step")
+    ax.set_ylabel("reward (faint: sampled train reward)")
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_title(f"verl-ppo train --config {per_seed[0]['config']}")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=110)
+    plt.close(fig)
+    m = per_seed[0]
+    verdict = "met" if target["gain_target_met"] else "**missed**"
+    wall = "met" if target["wall_target_met"] else "**missed**"
+    lines = [
+        f"# default_job: `verl-ppo train --config {m['config']}` on {len(per_seed)} seeds",
+        "",
+        f"{m['device']}, torch {m['versions']['torch']}, commit {m['commit']}, {m['date']}, "
+        f"run_id {m['run_id']}. Wall time is the whole command (model load, DeepSpeed init, "
+        "evals, checkpoint); the CPU is shared with other users, so the 1-minute load "
+        "average is recorded and `cpu_s` (CPU seconds of the launcher and its ranks) is "
+        "the contention-free cost.",
+        "",
+        "| seed | eval start | eval end | gain | wall s | cpu s | load 1m start/end "
+        "| clip frac step 1 / max | actor grad norm step 1 |",
+        "|---:|---:|---:|---:|---:|---:|---|---|---:|",
+    ]
+    for r in per_seed:
+        lines.append(
+            f"| {r['seed']} | {r['eval_start']:.3f} | {r['eval_end']:.3f} | {r['value']:+.3f} "
+            f"| {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['load_1m_start']:.1f} / "
+            f"{r['load_1m_end']:.1f} | {r['clipfrac_step1'] or 0:.4f} / {r['clipfrac_max']:.4f} "
+            f"| {r['actor_grad_norm_step1'] or 0:.3g} |"
+        )
+    lines += [
+        "",
+        f"Target (issue 17): every seed's eval gain >= {GAIN_MIN} and > the seeds' spread at "
+        f"start ({target['spread_start']:.3f}): smallest gain {target['min_gain']:+.3f}, "
+        f"{verdict}. Every run under {WALL_MAX_S / 60:.0f} minutes: longest "
+        f"{target['max_wall_s']:.0f} s, {wall}.",
+        "",
+        "Summary lines printed by the job:",
+        "",
+        *[f"- seed {r['seed']}: `{r['summary_line']}`" for r in per_seed],
+    ]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI; returns 0 when the target is met, 1 when missed (records written either way)."""
+    from verl_comm.bench.env import commit, now_iso, versions
+    from verl_ppo.config import load_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--runs", default="runs/default_job", help="parent of the run folders")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps (CI)")
+    a = p.parse_args(argv)
+    config, extra, stem = CONFIG, [], "default_job"
+    if a.smoke:
+        extra = [
+            "model.tiny={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+            "num_attention_heads: 4, num_key_value_heads: 2}",
+            "train.num_steps=2",
+            "data.eval_size=4",
+            "rollout.max_new_tokens=8",
+            "rollout.eval_max_new_tokens=8",
+            "train.keep_last_checkpoints=1",
+        ]
+        stem, a.seeds, a.runs = "default_job.smoke", a.seeds[:2], str(Path(a.out) / "runs")
+    cfg = load_config(REPO / config, extra)
+    meta = {
+        "benchmark": "default_job",
+        "config": config,
+        "device": f"cpu ({os.cpu_count()} cores, shared), {cfg.comm.nproc} gloo ranks",
+        "versions": versions(),
+        "date": now_iso(),
+        "commit": commit(),
+        "run_id": uuid.uuid4().hex[:12],
+        "overrides": extra,
+    }
+    results = {}
+    for seed in a.seeds:
+        results[seed] = run_seed(config, seed, REPO / a.runs / f"seed{seed}", extra)
+        print(
+            f"seed {seed}: {results[seed]['summary_line']} (wall {results[seed]['wall_s']:.0f} s)"
+        )
+    recs = records(results, meta, cfg.train.num_steps)
+    write(recs, Path(a.out), stem)
+    target = recs[-1]
+    print(
+        json.dumps(
+            {
+                k: target[k]
+                for k in (
+                    "spread_start",
+                    "min_gain",
+                    "gain_target_met",
+                    "max_wall_s",
+                    "wall_target_met",
+                )
+            }
+        )
+    )
+    return 0 if target["value"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
