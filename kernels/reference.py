@@ -106,10 +106,25 @@ def _check_seed(seed: int, offset: int) -> None:
         raise ValueError(f"offset must be an int in [0, 2**62), got {offset!r}")
 
 
-def _padded_fp32(x: torch.Tensor, n_pad: int) -> torch.Tensor:
-    v = torch.zeros(n_pad, dtype=torch.float32, device=x.device)
-    v[: x.numel()] = x.reshape(-1).to(torch.float32)
+CHUNK_BLOCKS = 2048
+"""Blocks processed per pass by the references: transient fp32 memory stays at a few
+``CHUNK_BLOCKS * B * 4`` bytes however large the input (the blocks are independent, so the
+result is the same bit for bit as one pass over everything)."""
+
+
+def _padded_fp32(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the zero-padded flat ``x`` as a new fp32 tensor."""
+    flat = x.reshape(-1)
+    v = torch.zeros(hi - lo, dtype=torch.float32, device=x.device)
+    end = min(hi, flat.numel())
+    if end > lo:
+        v[: end - lo] = flat[lo:end]
     return v
+
+
+def _chunks(n_pad: int, block: int) -> list[tuple[int, int]]:
+    step = CHUNK_BLOCKS * block
+    return [(lo, min(lo + step, n_pad)) for lo in range(0, n_pad, step)]
 
 
 def quantize_ref(
@@ -145,9 +160,14 @@ def quantize_ref(
     check_block(block)
     _check_seed(seed, offset)
     n_pad = resolve_pad(x.numel(), block, pad_to)
-    v = _padded_fp32(x, n_pad).view(-1, block)
-    c, scale, _ = _quantize_blocks(v, stochastic=stochastic, seed=seed, offset=offset)
-    return c.to(torch.int8).view(-1), scale
+    codes = torch.empty(n_pad, dtype=torch.int8, device=x.device)
+    scales = torch.empty(n_pad // block, dtype=torch.float32, device=x.device)
+    for lo, hi in _chunks(n_pad, block):
+        v = _padded_fp32(x, lo, hi).view(-1, block)
+        c, scale, _ = _quantize_blocks(v, stochastic=stochastic, seed=seed, offset=offset + lo)
+        codes[lo:hi] = c.view(-1)
+        scales[lo // block : hi // block] = scale
+    return codes, scales
 
 
 def quantize_ef_ref(
@@ -178,21 +198,33 @@ def quantize_ef_ref(
     check_block(block)
     n = x.numel()
     n_pad = resolve_pad(n, block, pad_to)
-    v = _padded_fp32(x, n_pad)
-    v[:n] += residual.reshape(-1).to(torch.float32)
-    v = v.view(-1, block)
-    c, scale, _ = _quantize_blocks(v)
-    r_new = (v - c * scale[:, None]).view(-1)[:n]
-    residual.view(-1).copy_(r_new)
-    return c.to(torch.int8).view(-1), scale
+    res = residual.view(-1)
+    codes = torch.empty(n_pad, dtype=torch.int8, device=x.device)
+    scales = torch.empty(n_pad // block, dtype=torch.float32, device=x.device)
+    for lo, hi in _chunks(n_pad, block):
+        v = _padded_fp32(x, lo, hi)
+        end = min(hi, n)
+        if end > lo:
+            v[: end - lo] += res[lo:end]
+        v = v.view(-1, block)
+        c, scale, _ = _quantize_blocks(v)
+        codes[lo:hi] = c.view(-1)
+        scales[lo // block : hi // block] = scale
+        if end > lo:
+            res[lo:end] = (v - c * scale[:, None]).view(-1)[: end - lo]
+    return codes, scales
 
 
 def check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
     """Raise a clear error unless ``residual`` can carry the error feedback of ``x``."""
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
-    if residual.dtype not in (x.dtype, torch.float32):
-        raise TypeError(f"residual must be {x.dtype} (like x) or float32, got {residual.dtype}")
+    allowed = (x.dtype, torch.float32) + ((torch.bfloat16,) if x.dtype == torch.float32 else ())
+    if residual.dtype not in allowed:
+        raise TypeError(
+            f"residual must be {x.dtype} (like x) or float32 (bfloat16 too for float32 x), "
+            f"got {residual.dtype}"
+        )
     if residual.numel() != x.numel():
         raise ValueError(f"residual must have {x.numel()} elements like x, got {residual.numel()}")
     if residual.device != x.device:
@@ -257,11 +289,21 @@ def dequantize_ref(
     """
     rows, m = check_codes_scales(codes, scales, block, batched=None)
     numel, out = resolve_dequant_out(codes, rows, m, out_dtype, numel, out)
-    c = codes.reshape(rows, m // block, block).to(torch.float32)
-    y = c * scales.reshape(rows, m // block, 1)
-    if scale != 1.0:
-        y = y * torch.tensor(scale, dtype=torch.float32)
-    out.copy_(y.reshape(-1)[:numel])
+    factor = torch.tensor(scale, dtype=torch.float32) if scale != 1.0 else None
+    c2, s2 = codes.reshape(rows, m), scales.reshape(rows, m // block)
+    step = CHUNK_BLOCKS * block
+    for r in range(rows):
+        base = r * m
+        for lo in range(0, m, step):
+            if base + lo >= numel:
+                return out
+            hi = min(lo + step, m)
+            y = c2[r, lo:hi].view(-1, block).to(torch.float32)
+            y = y * s2[r, lo // block : hi // block, None]
+            if factor is not None:
+                y = y * factor
+            k = min(hi - lo, numel - base - lo)
+            out[base + lo : base + lo + k] = y.view(-1)[:k]
     return out
 
 
@@ -288,10 +330,19 @@ def dequant_sum_requant_ref(
         input scale makes the output scale of that block NaN.
     """
     w_count, m = check_codes_scales(codes, scales, block, batched=True)
-    nb = m // block
-    acc = torch.zeros(nb, block, dtype=torch.float32, device=codes.device)
-    for w in range(w_count):
-        acc = acc + codes[w].reshape(nb, block).to(torch.float32) * scales[w].reshape(nb, 1)
-    c, scale, _ = _quantize_blocks(acc)
-    result = (c.to(torch.int8).view(-1), scale)
-    return (*result, acc.view(-1)) if return_sum else result
+    dev = codes.device
+    out_codes = torch.empty(m, dtype=torch.int8, device=dev)
+    out_scales = torch.empty(m // block, dtype=torch.float32, device=dev)
+    total = torch.empty(m if return_sum else 0, dtype=torch.float32, device=dev)
+    for lo, hi in _chunks(m, block):
+        nb, b0 = (hi - lo) // block, lo // block
+        acc = torch.zeros(nb, block, dtype=torch.float32, device=dev)
+        for w in range(w_count):
+            part = codes[w, lo:hi].reshape(nb, block).to(torch.float32)
+            acc = acc + part * scales[w, b0 : b0 + nb].reshape(nb, 1)
+        c, scale, _ = _quantize_blocks(acc)
+        out_codes[lo:hi] = c.view(-1)
+        out_scales[b0 : b0 + nb] = scale
+        if return_sum:
+            total[lo:hi] = acc.view(-1)
+    return (out_codes, out_scales, total) if return_sum else (out_codes, out_scales)

@@ -87,8 +87,8 @@ def int8_allreduce(
         x: contiguous ``(N,)`` fp32/bf16/fp16 tensor, this rank's contribution.
         coll: the :class:`~verl_comm.compression.collective.Collective` (blocking calls).
         block: quantization block B in {32, 64, 128, 256}.
-        residual: optional ``(N,)`` error-feedback residual (any float dtype), updated in
-            place to ``(x + residual) - dequant(codes)``; None disables error feedback.
+        residual: optional ``(N,)`` error-feedback residual (``x``'s dtype, fp32, or bf16
+            for fp32 ``x``), updated in place to ``(x + residual) - dequant(codes)``; None disables error feedback.
         average: divide the sum by W (the dequantize step does it for free).
         out: optional contiguous ``(N,)`` float tensor for the result (may alias ``x``).
 
@@ -109,20 +109,24 @@ def int8_allreduce(
     m = n_pad // w
     if residual is None:
         codes, scales = quantize(x, block, pad_to=n_pad)
-    elif residual.dtype in (x.dtype, torch.float32):
+    else:  # residual in x's dtype, fp32, or bf16 for fp32 x: updated in place by the kernel
         codes, scales = quantize_ef(x, residual.view(-1), block, pad_to=n_pad)
-    else:  # e.g. a bf16 residual for fp32 gradients: run the fused kernel on an fp32 copy
-        tmp = residual.view(-1).float()
-        codes, scales = quantize_ef(x, tmp, block, pad_to=n_pad)
-        residual.view(-1).copy_(tmp)
+    # Transient memory (issue 18): each byte buffer is dropped as soon as the next one
+    # exists, so at most the send and receive buffers (2 x the codes and scales) are alive
+    # at once; the references and kernels keep their fp32 work to a few chunks.
     sent0 = coll.bytes_sent
     send = pack(codes.view(w, m), scales.view(w, m // block))
+    del codes, scales
     recv = torch.empty_like(send)
     coll.all_to_all_single(recv.view(-1), send.view(-1))
+    del send
     own_codes, own_scales = dequant_sum_requant(*unpack(recv, block), block)
+    del recv
     mine = pack(own_codes, own_scales)
+    del own_codes, own_scales
     gathered = torch.empty(w, mine.numel(), dtype=torch.uint8, device=x.device)
     coll.all_gather_into_tensor(gathered.view(-1), mine)
+    del mine
     g_codes, g_scales = unpack(gathered, block)
     dequantize(g_codes, g_scales, block, scale=1.0 / w if average else 1.0, numel=n, out=out)
     finite = torch.isfinite(g_scales).all()
