@@ -89,12 +89,61 @@ class LowRankPlan:
         """Elements of all Q factors (sum of k m r)."""
         return sum(g.k * g.m * g.rank for g in self.groups)
 
-    def wire_bytes(self, world_size: int, block: int) -> int:
-        """Bytes one rank sends per step (three int8 all-reduces: P, Q, rest)."""
+    def wire_bytes(self, world_size: int, block: int, wire: FactorWire | None = None) -> int:
+        """Bytes one rank sends per step for P, Q and the rest under ``wire`` (default: all
+        three through the int8 all-reduce)."""
+        wire = wire or FactorWire()
         return sum(
-            int8_allreduce_wire_bytes(n, world_size, block)
-            for n in (self.p_numel, self.q_numel, self.rest_numel)
+            payload_wire_bytes(n, world_size, block, mode)
+            for n, mode in (
+                (self.p_numel, wire.p),
+                (self.q_numel, wire.q),
+                (self.rest_numel, wire.rest),
+            )
         )
+
+    def collectives(self, wire: FactorWire | None = None) -> int:
+        """Collective calls per step under ``wire`` (int8: 2 per payload, else 1)."""
+        wire = wire or FactorWire()
+        return sum(
+            (2 if mode == "int8" else 1)
+            for n, mode in (
+                (self.p_numel, wire.p),
+                (self.q_numel, wire.q),
+                (self.rest_numel, wire.rest),
+            )
+            if n
+        )
+
+
+WIRE_MODES = ("int8", "bf16", "fp32", "exact")
+"""How one payload (P, Q or the rest) travels: ``int8`` = the two-step int8 all-reduce (two
+collectives), ``bf16`` / ``fp32`` = one all-reduce in that dtype, ``exact`` = one all-reduce
+in the payload's own compute dtype (float64 in the reference)."""
+
+
+@dataclass(frozen=True)
+class FactorWire:
+    """Wire mode of each payload of a low-rank bucket (see :data:`WIRE_MODES`)."""
+
+    p: str = "int8"
+    q: str = "int8"
+    rest: str = "int8"
+
+    def __post_init__(self) -> None:
+        for name in ("p", "q", "rest"):
+            if getattr(self, name) not in WIRE_MODES:
+                raise ValueError(f"FactorWire.{name} must be one of {WIRE_MODES}")
+
+
+def payload_wire_bytes(numel: int, world_size: int, block: int, mode: str) -> int:
+    """Bytes one rank sends for ``numel`` elements in wire ``mode`` (0 when W = 1)."""
+    if numel == 0 or world_size == 1:
+        return 0
+    if mode == "int8":
+        return int8_allreduce_wire_bytes(numel, world_size, block)
+    size = {"bf16": 2, "fp32": 4, "exact": 4}[mode]
+    return 2 * (world_size - 1) * numel * size // world_size
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
@@ -173,7 +222,7 @@ def orthonormalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         eps: relative diagonal shift (> 0).
 
     Returns:
-        ``(k, n, r)`` fp32 tensor with the same column span. ``P^T P ~= I`` for well
+        ``(k, n, r)`` tensor (fp64 for fp64 input, else fp32) with the same column span. ``P^T P ~= I`` for well
         conditioned inputs; directions of ``P`` with singular value below ~``sqrt(shift)``
         come out shrunk (column norms < 1, never amplified), so ``P P^T`` never expands. An
         all-zero matrix stays zero. Finite input gives finite output; NaN/Inf input gives
@@ -199,7 +248,7 @@ def orthonormalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         g = g + shift[:, None, None] * eye
         chol, _ = torch.linalg.cholesky_ex(g)
         x = torch.linalg.solve_triangular(chol, x.mT, upper=False).mT
-    return x.to(torch.float32)
+    return x if p.dtype == torch.float64 else x.to(torch.float32)
 
 
 @dataclass
@@ -207,7 +256,7 @@ class LowRankBucketState:
     """Per-bucket state of the low-rank compressor (one per rank, not shared).
 
     Attributes:
-        qs: per group, the ``(k, m, r)`` fp32 Q of the last step (warm start), or None.
+        qs: per group, the ``(k, m, r)`` Q of the last step (warm start), or None.
         residuals: per group, the ``(k, n, m)`` error-feedback residual, or None.
         rest_residual: ``(rest_numel,)`` residual of the int8-sent tensors, or None.
     """
@@ -224,14 +273,49 @@ class LowRankResult:
     out: torch.Tensor
     wire_bytes: int
     finite: torch.Tensor
-    error_sq: torch.Tensor
-    input_sq: torch.Tensor
+    error_sq: torch.Tensor | None
+    input_sq: torch.Tensor | None
 
 
 def _gather_rest(flat: torch.Tensor, rest: Sequence[TensorSlot]) -> torch.Tensor:
     if not rest:
         return flat.new_empty(0)
     return torch.cat([flat[s.offset : s.offset + s.numel] for s in rest])
+
+
+def reduce_payload(
+    x: torch.Tensor,
+    coll: Collective,
+    mode: str,
+    *,
+    block: int,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Average flat ``x`` over the ranks in wire ``mode`` (see :data:`WIRE_MODES`).
+
+    ``x`` is overwritten with the average (bit-identical on every rank). ``residual`` (int8
+    mode only) carries error feedback; the one-call modes are exact (fp32, ``exact``) or lose
+    at most bf16 rounding, which the caller's error feedback captures for the factors.
+
+    Returns:
+        ``(x, bytes sent, 0-dim finite flag)``.
+    """
+    w = coll.world_size
+    if mode == "int8":
+        r = int8_allreduce(x, coll, block=block, residual=residual, out=x)
+        return x, r.wire_bytes, r.finite
+    wire = {"bf16": torch.bfloat16, "fp32": torch.float32, "exact": x.dtype}[mode]
+    if residual is not None:  # carried error is sent in full by an exact all-reduce
+        x.add_(residual.view(-1).to(x.dtype))
+        residual.zero_()
+    buf = x if wire == x.dtype else x.to(wire)
+    if w > 1:
+        buf.div_(w)
+    sent0 = coll.bytes_sent
+    coll.all_reduce(buf)
+    if buf is not x:
+        x.copy_(buf)
+    return x, coll.bytes_sent - sent0, torch.isfinite(buf).all()
 
 
 def lowrank_int8_allreduce(
@@ -246,26 +330,44 @@ def lowrank_int8_allreduce(
     residual_dtype: torch.dtype = torch.float32,
     generator: torch.Generator | None = None,
     out: torch.Tensor | None = None,
+    wire: FactorWire | None = None,
+    keep: Sequence[tuple[int, int]] = (),
+    stats: bool = True,
 ) -> LowRankResult:
     """Average a flat bucket over the ranks with int8 low-rank compression.
 
+    Per group ``M = G + E`` (in place in ``flat`` when ``out`` aliases a float32 ``flat``
+    holding one matrix, else in one fp32 work buffer), ``P = M Q`` (one ``bmm`` per group),
+    P of all groups in ONE payload, orthonormalise, ``Q = M^T P`` in one payload,
+    ``E <- M - P Q^T`` (one ``baddbmm``), ``out = P Q^T``. The rest (tensors low rank does not
+    shrink) is one more payload with its own error feedback. With ``wire`` choosing one-call
+    modes a bucket issues 2 collectives (+1 for a rest) instead of 6.
+
     Args:
-        flat: ``(N,)`` float tensor, the bucket (tensors back to back as in ``plan``).
+        flat: ``(N,)`` float tensor, the bucket (tensors back to back as in ``plan``); float64
+            runs the whole algorithm in float64 (the reference of the same algorithm).
         plan: :class:`LowRankPlan` of the bucket (``plan.numel == N``).
         state: this rank's :class:`LowRankBucketState`; created lazily, updated in place.
         coll: blocking :class:`~verl_comm.compression.collective.Collective`.
-        block: int8 block size B for the factor and rest all-reduces.
+        block: int8 block size B for the int8 payloads.
         error_feedback: keep ``E = M - M^`` per rank and add it next step.
         warm_start: start the power iteration from last step's Q.
-        residual_dtype: storage dtype of new residuals (fp32 or bf16).
+        residual_dtype: storage dtype of new residuals (fp32 or bf16; float64 for a float64
+            ``flat``).
         generator: CPU generator for fresh Q (seeded identically on every rank).
-        out: optional ``(N,)`` destination (may alias ``flat``); default fp32.
+        out: optional ``(N,)`` destination (may alias ``flat``); default ``flat``'s compute
+            dtype (fp32, or fp64 for fp64 input).
+        wire: :class:`FactorWire` of P, Q and the rest (default: all int8).
+        keep: ``(offset, numel)`` ranges of ``flat`` that got no gradient this step: their
+            input is taken as zero and their residual is left exactly as it was (issue 18:
+            DDP does not apply the result to a parameter without a gradient, so sending its
+            residual would lose it).
+        stats: compute ``error_sq`` and ``input_sq`` (two more passes); None when False.
 
     Returns:
         :class:`LowRankResult`: ``out`` (the average approximation, bit-identical on all
         ranks), bytes sent, a 0-dim ``finite`` flag identical on all ranks, and this rank's
-        ``error_sq = ||M - M^||^2`` and ``input_sq = ||M||^2`` (fp32 0-dim tensors, M with
-        error feedback added).
+        ``error_sq = ||M - M^||^2`` and ``input_sq = ||M||^2`` (0-dim tensors or None).
 
     Raises:
         ValueError: ``flat`` does not have ``plan.numel`` elements.
@@ -275,77 +377,136 @@ def lowrank_int8_allreduce(
             f"bucket has {flat.numel()} elements but the plan expects {plan.numel}; rebuild "
             "the plan when the bucket layout changes"
         )
+    wire = wire or FactorWire()
     dev = flat.device
     flat = flat.reshape(-1)
+    cdt = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    if cdt == torch.float64:
+        residual_dtype = torch.float64
     if out is None:
-        out = torch.empty(plan.numel, dtype=torch.float32, device=dev)
+        out = torch.empty(plan.numel, dtype=cdt, device=dev)
+    in_place = out.data_ptr() == flat.data_ptr() and flat.dtype == cdt
     ng = len(plan.groups)
     if len(state.qs) != ng:
         state.qs = [None] * ng
         state.residuals = [None] * ng
-    zero = torch.zeros((), dtype=torch.float32, device=dev)
-    error_sq, input_sq, wire = zero.clone(), zero.clone(), 0
+    error_sq = torch.zeros((), dtype=cdt, device=dev) if stats else None
+    input_sq = torch.zeros((), dtype=cdt, device=dev) if stats else None
+    wire_total = 0
     finite = torch.ones((), dtype=torch.bool, device=dev)
+    keep_set = {off for off, _ in keep}
 
-    # Matrices: M = G + E, stacked per shape group.
-    ms: list[torch.Tensor] = []
-    for gi, g in enumerate(plan.groups):
-        mat = torch.stack([flat[s.offset : s.offset + s.numel].view(g.n, g.m) for s in g.slots])
-        mat = mat.float()
-        res = state.residuals[gi]
-        if error_feedback and res is not None:
-            mat += res
-        ms.append(mat)
-        input_sq = input_sq + mat.square().sum()
     # Rest: read before `out` (which may alias `flat`) is written.
-    rest_in = _gather_rest(flat, plan.rest)
+    rest_in = _gather_rest(flat, plan.rest).to(cdt) if plan.rest else None
+
+    # Matrices: M = G + E per group, (k, n, m) in compute dtype.
+    ms: list[torch.Tensor] = []
+    kept: list[list[tuple[int, torch.Tensor]]] = []
+    for gi, g in enumerate(plan.groups):
+        res = state.residuals[gi] if error_feedback else None
+        if res is not None and (res.shape != (g.k, g.n, g.m) or res.device != dev):
+            res = None
+        if in_place and g.k == 1:
+            s0 = g.slots[0]
+            mat = flat[s0.offset : s0.offset + s0.numel].view(1, g.n, g.m)
+        else:
+            mat = torch.empty(g.k, g.n, g.m, dtype=cdt, device=dev)
+            for i, s in enumerate(g.slots):
+                mat[i].copy_(flat[s.offset : s.offset + s.numel].view(g.n, g.m))
+        saved = []
+        for i, s in enumerate(g.slots):
+            if s.offset in keep_set:
+                mat[i].zero_()
+                if res is not None:
+                    saved.append((i, res[i].clone()))
+        if res is not None:
+            if saved:
+                for i, _ in saved:
+                    res[i].zero_()
+            mat += res
+        kept.append(saved)
+        ms.append(mat)
+        if stats:
+            input_sq = input_sq + mat.square().sum()
 
     if ng:
-        p_all = torch.empty(plan.p_numel, dtype=torch.float32, device=dev)
-        q_all = torch.empty(plan.q_numel, dtype=torch.float32, device=dev)
+        p_all = torch.empty(plan.p_numel, dtype=cdt, device=dev)
+        q_all = torch.empty(plan.q_numel, dtype=cdt, device=dev)
         ps, qs, po, qo = [], [], 0, 0
         for gi, g in enumerate(plan.groups):
             q_prev = state.qs[gi]
-            if q_prev is None or not warm_start:
-                q_prev = torch.randn(g.k, g.m, g.rank, generator=generator).to(dev)
+            if q_prev is None or not warm_start or q_prev.shape != (g.k, g.m, g.rank):
+                q_prev = torch.randn(g.k, g.m, g.rank, generator=generator).to(dev, cdt)
             p = p_all[po : po + g.k * g.n * g.rank].view(g.k, g.n, g.rank)
-            torch.bmm(ms[gi], q_prev, out=p)
+            torch.bmm(ms[gi], q_prev.to(cdt), out=p)
             ps.append(p)
             qs.append(q_all[qo : qo + g.k * g.m * g.rank].view(g.k, g.m, g.rank))
             po, qo = po + p.numel(), qo + qs[-1].numel()
-        res_p = int8_allreduce(p_all, coll, block=block, out=p_all)
+        _, wb, ok = reduce_payload(p_all, coll, wire.p, block=block)
+        wire_total += wb
+        finite = finite & ok
         for gi in range(ng):
             ps[gi] = orthonormalize(ps[gi])
             torch.bmm(ms[gi].mT, ps[gi], out=qs[gi])
-        res_q = int8_allreduce(q_all, coll, block=block, out=q_all)
-        wire += res_p.wire_bytes + res_q.wire_bytes
-        finite = finite & res_p.finite & res_q.finite
+        _, wb, ok = reduce_payload(q_all, coll, wire.q, block=block)
+        wire_total += wb
+        finite = finite & ok
         for gi, g in enumerate(plan.groups):
-            approx = torch.bmm(ps[gi], qs[gi].mT)
-            err = ms[gi].sub_(approx)  # M - M^ (in place, M is our own copy)
-            error_sq = error_sq + err.square().sum()
-            if error_feedback:
-                state.residuals[gi] = err.to(residual_dtype)
-            state.qs[gi] = qs[gi].clone()
-            for i, s in enumerate(g.slots):
-                out[s.offset : s.offset + s.numel].copy_(approx[i].view(-1))
+            mat, p, q = ms[gi], ps[gi], qs[gi]
+            if error_feedback or stats:
+                # E = M - P Q^T in place in M (ours: the bucket or the work buffer)
+                err = mat.baddbmm_(p, q.mT, beta=1.0, alpha=-1.0)
+                if stats:
+                    error_sq = error_sq + err.square().sum()
+                if error_feedback:
+                    res = state.residuals[gi]
+                    if res is None or res.shape != err.shape or res.dtype != residual_dtype:
+                        state.residuals[gi] = err.to(residual_dtype, copy=True)
+                    else:
+                        res.copy_(err)
+                    for i, old in kept[gi]:
+                        state.residuals[gi][i].copy_(old)
+            state.qs[gi] = q.clone()
+            if g.k == 1 and (in_place or out.dtype == cdt):
+                s0 = g.slots[0]
+                torch.bmm(p, q.mT, out=out[s0.offset : s0.offset + s0.numel].view(1, g.n, g.m))
+            else:
+                approx = torch.bmm(p, q.mT)
+                for i, s in enumerate(g.slots):
+                    out[s.offset : s.offset + s.numel].copy_(approx[i].view(-1))
+                del approx
+        del ms
 
     if plan.rest:
         rr = state.rest_residual
-        if error_feedback and (rr is None or rr.numel() != rest_in.numel()):
+        if error_feedback and (
+            rr is None or rr.numel() != rest_in.numel() or rr.dtype != residual_dtype
+        ):
             rr = torch.zeros(rest_in.numel(), dtype=residual_dtype, device=dev)
-        if error_feedback:
-            input_sq = input_sq + (rest_in.float() + rr.float()).square().sum()
-        else:
-            input_sq = input_sq + rest_in.float().square().sum()
-        res_r = int8_allreduce(rest_in, coll, block=block, residual=rr if error_feedback else None)
-        if error_feedback:
-            state.rest_residual = rr
-            error_sq = error_sq + rr.float().square().sum()
-        wire += res_r.wire_bytes
-        finite = finite & res_r.finite
+        saved_rest = []
         o = 0
         for s in plan.rest:
-            out[s.offset : s.offset + s.numel].copy_(res_r.out[o : o + s.numel])
+            if s.offset in keep_set:
+                rest_in[o : o + s.numel].zero_()
+                if error_feedback:
+                    saved_rest.append((o, s.numel, rr[o : o + s.numel].clone()))
+                    rr[o : o + s.numel].zero_()
             o += s.numel
-    return LowRankResult(out, wire, finite, error_sq, input_sq)
+        if stats:
+            extra = rr.to(cdt) if error_feedback else 0
+            input_sq = input_sq + (rest_in + extra).square().sum()
+        res_arg = rr if error_feedback else None
+        _, wb, ok = reduce_payload(rest_in, coll, wire.rest, block=block, residual=res_arg)
+        if error_feedback:
+            for o, n, old in saved_rest:
+                rr[o : o + n].copy_(old)
+            state.rest_residual = rr
+            if stats:
+                error_sq = error_sq + rr.to(cdt).square().sum()
+        wire_total += wb
+        finite = finite & ok
+        o = 0
+        for s in plan.rest:
+            out[s.offset : s.offset + s.numel].copy_(rest_in[o : o + s.numel])
+            o += s.numel
+    return LowRankResult(out, wire_total, finite, error_sq, input_sq)
