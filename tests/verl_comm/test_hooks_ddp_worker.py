@@ -145,7 +145,18 @@ def sim_int8_allreduce(xs: list[torch.Tensor], block: int) -> torch.Tensor:
     return (q(acc) / w)[:n]
 
 
-def ref_lowrank(inputs, lr_states, gen_state, plan, block) -> torch.Tensor:
+def sim_payload(xs: list[torch.Tensor], block: int, mode: str) -> torch.Tensor:
+    """float64 simulation of one low-rank payload's average in wire ``mode``."""
+    if mode == "int8":
+        return sim_int8_allreduce(xs, block)
+    w = len(xs)
+    if mode == "bf16":  # each rank sends bf16(x / W); the sum is rounded to bf16
+        parts = [(x.double() / w).to(torch.bfloat16).double() for x in xs]
+        return sum(parts).to(torch.bfloat16).double()
+    return sum(x.double() for x in xs) / w
+
+
+def ref_lowrank(inputs, lr_states, gen_state, plan, block, wire=None) -> torch.Tensor:
     """float64 reference of lowrank_int8_allreduce (error feedback, warm start) over ranks.
 
     ``inputs``: per rank the flat bucket; ``lr_states``: per rank (qs, residuals, rest
@@ -178,7 +189,7 @@ def ref_lowrank(inputs, lr_states, gen_state, plan, block) -> torch.Tensor:
             torch.cat([(ms[r][gi] @ qs0[gi]).reshape(-1) for gi in range(len(plan.groups))])
             for r in range(w)
         ]
-        p_avg = sim_int8_allreduce(p_flat, block)
+        p_avg = sim_payload(p_flat, block, wire.p if wire else "int8")
         ps, o = [], 0
         for g in plan.groups:
             p = p_avg[o : o + g.k * g.n * g.rank].view(g.k, g.n, g.rank)
@@ -188,7 +199,7 @@ def ref_lowrank(inputs, lr_states, gen_state, plan, block) -> torch.Tensor:
             torch.cat([(ms[r][gi].mT @ ps[gi]).reshape(-1) for gi in range(len(plan.groups))])
             for r in range(w)
         ]
-        q_avg = sim_int8_allreduce(q_flat, block)
+        q_avg = sim_payload(q_flat, block, wire.q if wire else "int8")
         o = 0
         for gi, g in enumerate(plan.groups):
             q = q_avg[o : o + g.k * g.m * g.rank].view(g.k, g.m, g.rank)
@@ -202,7 +213,7 @@ def ref_lowrank(inputs, lr_states, gen_state, plan, block) -> torch.Tensor:
             x = torch.cat([inputs[r][s.offset : s.offset + s.numel].double() for s in plan.rest])
             rr = lr_states[r][2]
             rest.append(x + (rr.double() if rr is not None else 0))
-        avg = sim_int8_allreduce(rest, block)
+        avg = sim_payload(rest, block, wire.rest if wire else "int8")
         o = 0
         for s in plan.rest:
             out[s.offset : s.offset + s.numel] = avg[o : o + s.numel]
@@ -218,6 +229,7 @@ def _capture(hook, state, log):
 
     def wrapped(state, bucket):
         idx = bucket.index()
+        state.flush()  # earlier buckets off the worker: the snapshot below is this bucket's
         bs = state.buckets.get(idx)
         sig = tuple(tuple(p.shape) for p in bucket.parameters())
         if bs is not None and bs.signature[2] != sig:
@@ -240,7 +252,7 @@ def _capture(hook, state, log):
             ),
         }
         fut = hook(state, bucket)
-        entry["output"] = fut.value().detach().clone()
+        entry["output"] = fut.wait().detach().clone()
         entry["path"] = (
             state._pending[-1]["method"] if state._pending else state.last_stats[idx].method
         )
@@ -310,7 +322,8 @@ def _check_bucket(method, entry, state, dtype, world) -> dict:
             )
             for r in range(world)
         ]
-        ref = ref_lowrank(inputs, all_lr, entry["gen"], plan, block)
+        ref = ref_lowrank(inputs, all_lr, entry["gen"], plan, block, bs.wire)
+        res["wire"] = None if bs.wire is None else (bs.wire.p, bs.wire.q, bs.wire.rest)
         res["rel_err"] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
         res["n_groups"] = len(plan.groups)
         res["rest"] = plan.rest_numel

@@ -3,15 +3,16 @@
 Hooks: :func:`allreduce_hook`, :func:`fp16_hook`, :func:`bf16_hook`, :func:`int8_hook`,
 :func:`lowrank_int8_hook`; state: :class:`CommHookState`; one-call helpers
 :func:`make_hook` and :func:`register_comm_hook`. The same hook functions run outside DDP
-(the bucketed reducer for DeepSpeed, :class:`TensorBucket`).
+(the bucketed reducer for DeepSpeed, tests: :class:`GradBucket`; what a hook may call on
+a bucket: :class:`HookBucket`).
 
-Execution model (all backends): a hook starts and waits on its collectives in the hook body
-and returns an already-completed Future. Chaining collectives in ``Future.then`` callbacks
-(torch's PowerSGD hook) deadlocks on gloo (FACTS 7), so it is not used. On CUDA the body
-runs on a side stream that waits for the current stream, so a blocking NCCL call only makes
-that side stream wait and backward compute keeps overlapping; the Future is CUDA-aware and
-makes DDP's stream wait for the side stream. One host sync per step (on ``is_last()``)
-reads the per-bucket finiteness flags and statistics.
+Execution model (see :mod:`verl_comm.hooks._core`): a hook returns at once and its work
+proceeds off the critical path. On CUDA every step of a bucket is enqueued on the state's
+side stream with no host synchronisation in a step (flags and statistics are read a step
+later, or at :meth:`CommHookState.flush`). On gloo (CPU, W > 1) a bucket's compress ->
+communicate -> decompress chain runs on the state's worker thread in DDP's bucket order and
+its Future completes when the bucket is reduced; collectives never start from
+``Future.then``. :meth:`CommHookState.close` stops the worker.
 
 Usage::
 
@@ -23,17 +24,20 @@ Usage::
     torch.save(state.state_dict(), f"hook_state_rank{rank}.pt")  # per rank
 """
 
-from .bucket import TensorBucket
+from .bucket import GradBucket, HookBucket
 from .hooks import allreduce_hook, bf16_hook, fp16_hook, int8_hook, lowrank_int8_hook
 from .register import HOOKS, make_hook, register_comm_hook
 from .state import BucketStats, CommHookState, NonFiniteGradientError
+from .worker import CommWorkerError
 
 __all__ = [
     "HOOKS",
     "BucketStats",
     "CommHookState",
+    "CommWorkerError",
+    "GradBucket",
+    "HookBucket",
     "NonFiniteGradientError",
-    "TensorBucket",
     "allreduce_hook",
     "bf16_hook",
     "fp16_hook",

@@ -1,15 +1,24 @@
 """The shared body of every verl_comm hook (not public; see :mod:`verl_comm.hooks`).
 
-Execution model: each hook starts AND waits on its collectives in the hook body and returns
-an already-completed ``torch.futures.Future`` holding ``bucket.buffer()`` (reduced in
-place). This works on every backend: on gloo, collectives started or waited on inside a
-``Future.then`` callback deadlock (FACTS 7). On CUDA the body runs on a per-device side
-stream that first waits on the current stream; a blocking NCCL call then only makes the side
-stream wait, so backward compute on the default stream keeps overlapping with the hook's
-communication and compression, and the CUDA-aware Future makes DDP's stream wait for the
-side stream before reading the result. Non-finite detection needs no extra collective: the
-reduced data is identical on every rank, so every rank reaches the same verdict; flags are
-read once per step on ``bucket.is_last()``.
+Execution model (issue 14): a hook returns at once and its work proceeds off the critical
+path.
+
+* CUDA (NCCL): every step of a bucket is enqueued on the state's side stream, which first
+  waits for the current stream; nothing in a step synchronises the host. Flags and
+  statistics (finiteness, error norms, CUDA-event times) are copied non-blocking to pinned
+  host memory at the end of the step and read when that copy has completed (checked with
+  ``Event.query()`` at a later step's end, or by :meth:`CommHookState.flush`). The
+  CUDA-aware Future makes DDP's stream wait for the side stream.
+* CPU (gloo, a process group of W > 1): the chain runs on the state's
+  :class:`~verl_comm.hooks.worker.CommWorker` in DDP's bucket order and the Future
+  completes when the bucket is reduced; no collective is started from ``Future.then``.
+  The hook of the last bucket waits for the worker to drain, so a collective issued right
+  after it (DDP's unused-parameter bitmap, a caller's collective after backward) can never
+  be reordered against the hooks' collectives.
+* In-process collectives (W = 1, loopback, thread groups): synchronous, completed Future.
+
+Non-finite detection needs no extra collective: the reduced data is identical on every
+rank, so every rank reaches the same verdict.
 """
 
 from __future__ import annotations
@@ -22,17 +31,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from verl_comm.compression.collective import Collective, LoopbackCollective
+from verl_comm.compression.collective import (
+    Collective,
+    LocalCollective,
+    LoopbackCollective,
+    ProcessGroupCollective,
+)
 from verl_comm.compression.int8_allreduce import (
     cast_allreduce,
     int8_allreduce,
     int8_allreduce_wire_bytes,
     ring_allreduce_wire_bytes,
 )
-from verl_comm.compression.lowrank import LowRankPlan, TensorSlot, lowrank_int8_allreduce
+from verl_comm.compression.lowrank import (
+    FactorWire,
+    LowRankPlan,
+    TensorSlot,
+    lowrank_int8_allreduce,
+    payload_wire_bytes,
+)
 from verl_comm.compression.lowrank import plan_lowrank as _plan_lowrank
-from verl_comm.compression.policy import decide, measure_link, time_call
+from verl_comm.compression.policy import LinkModel, decide, measure_link, time_call
 
 from .state import BucketState, CommHookState
 
@@ -57,34 +78,56 @@ class PathResult:
 # -- reduction paths: reduce ``buf`` in place (averaged over the ranks of ``coll``) --------
 
 
-def reduce_plain(state: CommHookState, bs: BucketState, buf: torch.Tensor, coll: Collective):
+Keep = tuple[tuple[int, int], ...]
+"""``(offset, numel)`` ranges of a bucket whose parameter got no gradient this step."""
+
+
+def reduce_plain(
+    state: CommHookState, bs: BucketState, buf: torch.Tensor, coll: Collective, keep: Keep = ()
+):
     """All-reduce in the bucket's own dtype."""
     r = cast_allreduce(buf, coll, wire_dtype=buf.dtype, out=buf)
     return PathResult(r.wire_bytes, r.finite)
 
 
 def _reduce_cast(method: str):
-    def fn(state: CommHookState, bs: BucketState, buf: torch.Tensor, coll: Collective):
+    def fn(
+        state: CommHookState, bs: BucketState, buf: torch.Tensor, coll: Collective, keep: Keep = ()
+    ):
         r = cast_allreduce(buf, coll, wire_dtype=_CAST[method], out=buf)
         return PathResult(r.wire_bytes, r.finite)
 
     return fn
 
 
-def reduce_int8(state: CommHookState, bs: BucketState, buf: torch.Tensor, coll: Collective):
-    """int8 quantized all-reduce with error feedback (``bs.residual``)."""
+def reduce_int8(
+    state: CommHookState, bs: BucketState, buf: torch.Tensor, coll: Collective, keep: Keep = ()
+):
+    """int8 quantized all-reduce with error feedback (``bs.residual``).
+
+    A range in ``keep`` (a parameter without a gradient this step) is sent as zeros and
+    its residual is left exactly as it was (issue 18: DDP does not apply the result to such
+    a parameter, so sending its residual would lose it).
+    """
     cfg = state.config
     res = None
     in_sq = None
+    saved = []
     if cfg.error_feedback:
         if bs.residual is None or bs.residual.numel() != buf.numel():
             bs.residual = torch.zeros(
                 buf.numel(), dtype=_DTYPES[cfg.residual_dtype], device=buf.device
             )
         res = bs.residual
+        for off, n in keep:
+            saved.append((off, n, res[off : off + n].clone()))
+            res[off : off + n].zero_()
+            buf[off : off + n].zero_()
         if state.collect_stats:
             in_sq = (buf.float() + res.float()).square().sum()
     r = int8_allreduce(buf, coll, block=cfg.quant_block, residual=res, out=buf)
+    for off, n, old in saved:
+        res[off : off + n].copy_(old)
     err_sq = res.float().square().sum() if (res is not None and state.collect_stats) else None
     return PathResult(r.wire_bytes, r.finite, err_sq, in_sq, res is not None)
 
@@ -106,10 +149,46 @@ def bucket_plan(state: CommHookState, bs: BucketState, numel: int) -> LowRankPla
     return bs.plan
 
 
-def reduce_lowrank(state: CommHookState, bs: BucketState, buf: torch.Tensor, coll: Collective):
+def link_model(state: CommHookState, device: torch.device) -> LinkModel:
+    """The state's link model, measured once (collectives on every rank, in bucket order)."""
+    if state.link is None:
+        state.link = measure_link(state.collective, device, large_bytes=1 << 20)
+    return state.link
+
+
+def bucket_wire(state: CommHookState, bs: BucketState, plan: LowRankPlan, dev) -> FactorWire:
+    """Per payload (P, Q, rest) the wire the link model predicts fastest (cached per bucket):
+    the int8 two-step all-reduce (2 collectives, ~1 byte per element) or one all-reduce in
+    bf16 (factors only) or fp32. Within 5% of the fastest, the more precise one wins."""
+    if bs.wire is None:
+        w = state.collective.world_size
+        link = link_model(state, dev) if w > 1 else LinkModel(0.0, 0.0, 1)
+        b = state.config.quant_block
+
+        def pick(numel: int, modes: tuple[str, ...]) -> str:
+            cost = {
+                m: link.time_s(payload_wire_bytes(numel, w, b, m), 2 if m == "int8" else 1)
+                for m in modes
+            }
+            best = min(cost.values())
+            return next(m for m in modes if cost[m] <= best * 1.05 + 1e-9)
+
+        factor = ("fp32", "bf16", "int8")
+        bs.wire = FactorWire(
+            pick(plan.p_numel, factor),
+            pick(plan.q_numel, factor),
+            pick(plan.rest_numel, ("fp32", "int8")),
+        )
+    return bs.wire
+
+
+def reduce_lowrank(
+    state: CommHookState, bs: BucketState, buf: torch.Tensor, coll: Collective, keep: Keep = ()
+):
     """int8 low-rank (PowerSGD) with error feedback and warm start."""
     cfg = state.config
     plan = bucket_plan(state, bs, buf.numel())
+    wire = bucket_wire(state, bs, plan, buf.device) if coll is state.collective else None
     fp32 = buf.dtype == torch.float32
     r = lowrank_int8_allreduce(
         buf if fp32 else buf.float(),
@@ -122,6 +201,9 @@ def reduce_lowrank(state: CommHookState, bs: BucketState, buf: torch.Tensor, col
         residual_dtype=_DTYPES[cfg.residual_dtype],
         generator=state.generator,
         out=buf if fp32 else None,
+        wire=wire if wire is not None else bs.wire,
+        keep=keep,
+        stats=state.collect_stats,
     )
     if not fp32:
         buf.copy_(r.out)
@@ -147,8 +229,8 @@ def compressed_wire(
     if method == "int8":
         return int8_allreduce_wire_bytes(buf.numel(), w, b), 2
     plan = bucket_plan(state, bs, buf.numel())
-    calls = 2 * sum(1 for n in (plan.p_numel, plan.q_numel, plan.rest_numel) if n)
-    return plan.wire_bytes(w, b), calls
+    wire = bucket_wire(state, bs, plan, buf.device)
+    return plan.wire_bytes(w, b, wire), plan.collectives(wire)
 
 
 def policy_decision(
@@ -162,7 +244,9 @@ def policy_decision(
     if state.link is None:
         big = min(max(buf.numel() * buf.element_size(), 1 << 20), 64 << 20)
         state.link = measure_link(coll, buf.device, large_bytes=big)
-    scratch = BucketState(bs.signature, bs.meta, plan=bs.plan)
+    if method == "lowrank_int8":
+        bucket_wire(state, bs, bucket_plan(state, bs, buf.numel()), buf.device)
+    scratch = BucketState(bs.signature, bs.meta, plan=bs.plan, wire=bs.wire)
     fn = PATHS[method]
     saved_rng = state.generator.get_state()
     compute = time_call(lambda: fn(state, scratch, buf.clone(), LoopbackCollective(w)), buf.device)
@@ -211,8 +295,24 @@ def _side_stream(state: CommHookState, device: torch.device) -> Iterator[Any]:
         yield stream
 
 
+def _keep_ranges(bucket: Any) -> Keep:
+    """Ranges of parameters with no gradient this step (``param.grad is None``)."""
+    out, off = [], 0
+    for p in bucket.parameters():
+        n = p.numel()
+        if getattr(p, "requires_grad", False) and p.grad is None:
+            out.append((off, n))
+        off += n
+    return tuple(out)
+
+
+def _uses_worker(state: CommHookState, dev: torch.device) -> bool:
+    coll = state.collective
+    return dev.type == "cpu" and isinstance(coll, ProcessGroupCollective) and coll.world_size > 1
+
+
 def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Future:
-    """Reduce ``bucket.buffer()`` in place with ``method`` and return a completed Future.
+    """Reduce ``bucket.buffer()`` in place with ``method``; return its Future.
 
     ``method`` is one of ``allreduce``, ``fp16``, ``bf16``, ``int8``, ``lowrank_int8``;
     int8 and low rank (and every compressing method under ``policy: auto``) run a plain
@@ -220,14 +320,58 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     ``start_iter`` more steps on each bucket whose layout is not the loaded one (a fresh DDP
     rebuilds its buckets after its first step); with ``policy: auto`` each compressing bucket
     then takes the path the policy chose at its first step (measured once per bucket).
+    On CUDA and for in-process collectives the Future is returned completed (CUDA: its
+    value is ready once DDP's stream has waited for the side stream); on gloo with W > 1
+    it completes on the state's worker (see the module docstring).
     """
     state.apply_deferred()
     buf = bucket.buffer()
     index = int(bucket.index())
+    is_last = bool(bucket.is_last())
+    shapes = tuple(tuple(p.shape) for p in bucket.parameters())
+    keep = _keep_ranges(bucket)
     dev = buf.device
+    if _uses_worker(state, dev):
+        fut: torch.futures.Future = torch.futures.Future()
+        worker = state.worker()
+        it = state._submitted_iter
+
+        def job() -> torch.Tensor:
+            _reduce_bucket(state, buf, index, shapes, keep, method, is_last)
+            return buf
+
+        def fatal(e: BaseException) -> bool:
+            from .state import NonFiniteGradientError
+
+            return not isinstance(e, NonFiniteGradientError)
+
+        worker.submit(job, fut, f"bucket {index} ({method}) at iteration {it}", fatal)
+        if is_last:
+            state._submitted_iter += 1
+            worker.drain(state.timeout_s)  # nothing of ours may overlap the caller's next call
+        return fut
+    fut = torch.futures.Future(devices=[dev]) if dev.type == "cuda" else torch.futures.Future()
+    with _side_stream(state, dev):
+        _reduce_bucket(state, buf, index, shapes, keep, method, is_last)
+        fut.set_result(buf)
+    state._submitted_iter = state.iteration
+    return fut
+
+
+def _reduce_bucket(
+    state: CommHookState,
+    buf: torch.Tensor,
+    index: int,
+    shapes: tuple,
+    keep: Keep,
+    method: str,
+    is_last: bool,
+) -> None:
+    """The whole chain of one bucket (on the side stream, the worker, or inline)."""
     cfg = state.config
     coll = state.collective
-    signature = (buf.numel(), str(buf.dtype), tuple(tuple(p.shape) for p in bucket.parameters()))
+    dev = buf.device
+    signature = (buf.numel(), str(buf.dtype), shapes)
     meta = (method, cfg.compression_rank or 0, cfg.quant_block, cfg.residual_dtype)
     meta = (*meta, cfg.error_feedback)
     warm = state.iteration < cfg.start_iter  # DDP may still rebuild its buckets
@@ -244,26 +388,24 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     elif auto and buf.numel():
         if not policy_decision(state, bs, method, buf, index).compress:
             path = "allreduce"
-
-    fut: torch.futures.Future = (
-        torch.futures.Future(devices=[dev]) if dev.type == "cuda" else torch.futures.Future()
-    )
-    with _side_stream(state, dev) as stream:
-        start_s = time.perf_counter()
-        ev0 = ev1 = None
-        if stream is not None:
-            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev0.record(stream)
-        if buf.numel() == 0:
-            res = PathResult(0, torch.ones((), dtype=torch.bool, device=dev))
-        else:
-            res = PATHS[path](state, bs, buf, coll)
-        if cfg.nonfinite == "skip" and buf.numel():
-            buf.copy_(torch.where(res.finite, buf, torch.zeros((), dtype=buf.dtype, device=dev)))
-        if ev1 is not None:
-            ev1.record(stream)
-        elapsed = time.perf_counter() - start_s
-        fut.set_result(buf)
+    cuda = dev.type == "cuda"
+    start_s = time.perf_counter()
+    ev0 = ev1 = None
+    if cuda:
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+    if buf.numel() == 0:
+        res = PathResult(0, torch.ones((), dtype=torch.bool, device=dev))
+    else:
+        res = PATHS[path](state, bs, buf, coll, keep)
+    if cfg.nonfinite == "skip" and buf.numel():
+        zero = torch.zeros((), dtype=buf.dtype, device=dev)
+        buf.copy_(torch.where(res.finite, buf, zero))
+        if cuda:  # the verdict is read later: drop NaN state on the device now
+            bs.zero_if_nonfinite(res.finite)
+    if ev1 is not None:
+        ev1.record()
+    elapsed = time.perf_counter() - start_s
     state._add_pending(
         {
             "index": index,
@@ -285,6 +427,20 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
             "t_end": ev1,
         }
     )
-    if bucket.is_last():
+    if is_last:
         state.end_step()
+
+
+def run_stateless(group: Any, bucket: Any, method: str) -> torch.futures.Future:
+    """``allreduce`` / ``fp16`` / ``bf16`` for a hook registered with a ProcessGroup or None
+    as state (torch's convention): no statistics, no non-finite policy, no state kept;
+    synchronous in the hook body on the current stream; a completed Future."""
+    buf = bucket.buffer()
+    dist_on = dist.is_available() and dist.is_initialized()
+    coll = ProcessGroupCollective(group) if dist_on else LocalCollective()
+    wire = buf.dtype if method == "allreduce" else _CAST[method]
+    if buf.numel():
+        cast_allreduce(buf, coll, wire_dtype=wire, out=buf)
+    fut = torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
+    fut.set_result(buf)
     return fut

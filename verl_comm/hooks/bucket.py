@@ -1,80 +1,146 @@
-"""A stand-alone bucket with ``torch.distributed.GradBucket``'s methods.
+"""What a hook may call on a bucket (:class:`HookBucket`), and the one bucket class that
+runs the hooks outside DDP (:class:`GradBucket`: the bucketed reducer, tests).
 
-Lets the hooks run outside DDP (one-process tests, custom reducers): a flat buffer and the
-tensors it holds back to back.
+``torch.distributed.GradBucket`` (DDP's) satisfies :class:`HookBucket`; so does
+:class:`GradBucket`, which owns (or wraps) one flat, contiguous 1-D buffer holding the
+gradients of its parameters back to back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
 import torch
 
 
-class TensorBucket:
-    """GradBucket look-alike over a flat buffer.
+@runtime_checkable
+class HookBucket(Protocol):
+    """The methods of ``torch.distributed.GradBucket`` a comm hook may call."""
+
+    def buffer(self) -> torch.Tensor:
+        """The flat 1-D buffer ``(sum of numels,)`` of the bucket's gradients."""
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Per-parameter views into :meth:`buffer`, each of its parameter's shape."""
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters, in buffer order."""
+
+    def index(self) -> int:
+        """Bucket index (0 = first to become ready); hooks key per-bucket state on it."""
+
+    def is_last(self) -> bool:
+        """True for the last bucket of an iteration."""
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace the buffer (same number of elements)."""
+
+
+class GradBucket:
+    """A bucket with the methods of ``torch.distributed.GradBucket`` (:class:`HookBucket`).
+
+    ``gradients()`` are views into the buffer shaped like the parameters, so a hook that
+    writes into them (as torch's ``powerSGD_hook`` does) writes into the buffer.
 
     Args:
-        buffer: contiguous 1-D tensor, the gradients of ``params`` back to back.
-        params: the parameters (or any tensors with their shapes), in buffer order.
-        index: bucket index (keys the per-bucket hook state).
-        is_last: whether this is the last bucket of the step.
+        index: bucket index (0 = first to become ready).
+        params: the parameters (or tensors with their shapes), in buffer order.
+        is_last: whether this is the last bucket reduced in an iteration.
+        buffer: an existing contiguous 1-D buffer to wrap (its numel must be the sum of
+            the parameter sizes); None allocates a zero buffer of ``dtype`` on ``device``.
+        dtype, device: of the allocated buffer (default: the first parameter's).
 
     Raises:
-        ValueError: the parameter sizes do not add up to ``buffer.numel()``.
+        ValueError: ``buffer`` is not 1-D with the sum of the parameter sizes.
     """
 
     def __init__(
         self,
-        buffer: torch.Tensor,
-        params: list[torch.Tensor],
-        index: int = 0,
+        index: int,
+        params: Sequence[torch.Tensor],
         is_last: bool = True,
+        *,
+        buffer: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
-        total = sum(p.numel() for p in params)
-        if buffer.dim() != 1 or total != buffer.numel():
+        self._index = int(index)
+        self._params = list(params)
+        self._is_last = bool(is_last)
+        self.offsets: list[int] = []
+        total = 0
+        for p in self._params:
+            self.offsets.append(total)
+            total += p.numel()
+        if buffer is None:
+            first = self._params[0] if self._params else None
+            dtype = dtype or (first.dtype if first is not None else torch.float32)
+            device = device or (first.device if first is not None else "cpu")
+            buffer = torch.zeros(total, dtype=dtype, device=device)
+        elif buffer.dim() != 1 or buffer.numel() != total:
             raise ValueError(
                 f"buffer must be 1-D with sum of parameter sizes ({total}) elements, got "
                 f"shape {tuple(buffer.shape)}"
             )
         self._buffer = buffer
-        self._params = list(params)
-        self._index = index
-        self._is_last = is_last
+        self._views = self._make_views(buffer)
 
     @classmethod
-    def from_tensors(cls, grads: list[torch.Tensor], index: int = 0, is_last: bool = True):
+    def from_tensors(
+        cls, grads: Sequence[torch.Tensor], index: int = 0, is_last: bool = True
+    ) -> GradBucket:
         """Copy ``grads`` into a new flat buffer (dtype of the first) and wrap it."""
         dtype = grads[0].dtype if grads else torch.float32
         flat = torch.cat([g.reshape(-1).to(dtype) for g in grads]) if grads else torch.zeros(0)
-        return cls(flat, grads, index, is_last)
+        return cls(index, grads, is_last, buffer=flat)
+
+    def _make_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            buffer.narrow(0, off, p.numel()).view(p.shape)
+            for off, p in zip(self.offsets, self._params)
+        ]
 
     def index(self) -> int:
-        """The bucket index."""
+        """Bucket index; hooks key their per-bucket state (residuals, Q) on it."""
         return self._index
 
     def buffer(self) -> torch.Tensor:
-        """The flat 1-D buffer."""
+        """The flat 1-D buffer of shape ``(sum of numels,)`` holding the gradients."""
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """Views of the buffer shaped like each parameter."""
-        out, o = [], 0
-        for p in self._params:
-            out.append(self._buffer[o : o + p.numel()].view(p.shape))
-            o += p.numel()
-        return out
+        """Per-parameter views into :meth:`buffer`, each of its parameter's shape."""
+        return self._views
 
     def parameters(self) -> list[torch.Tensor]:
-        """The parameters in buffer order."""
-        return list(self._params)
+        """The parameters of this bucket, in buffer order."""
+        return self._params
 
     def is_last(self) -> bool:
-        """True for the last bucket of a step."""
+        """True for the last bucket of an iteration (hooks advance their iteration on it)."""
         return self._is_last
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
-        """Replace the buffer (same number of elements)."""
-        if buffer.numel() != self._buffer.numel():
+        """Replace the buffer by ``buffer`` (same numel; views are rebuilt on it).
+
+        Raises:
+            ValueError: ``buffer`` is not a 1-D tensor with the bucket's numel.
+        """
+        if buffer.dim() != 1 or buffer.numel() != self._buffer.numel():
             raise ValueError(
-                f"set_buffer needs {self._buffer.numel()} elements, got {buffer.numel()}"
+                f"set_buffer needs a 1-D tensor of {self._buffer.numel()} elements, "
+                f"got shape {tuple(buffer.shape)}"
             )
         self._buffer = buffer
+        self._views = self._make_views(buffer)
+
+    def nbytes(self) -> int:
+        """Bytes of the buffer (uncompressed payload of the bucket)."""
+        return self._buffer.numel() * self._buffer.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"GradBucket(index={self._index}, params={len(self._params)}, "
+            f"numel={self._buffer.numel()}, dtype={self._buffer.dtype}, is_last={self._is_last})"
+        )

@@ -15,26 +15,21 @@ methods ``buffer``, ``index``, ``is_last`` and ``parameters`` (the bucketed redu
 objects provide the same). Annotations are real objects (no ``from __future__ import
 annotations``) because DDP's ``register_comm_hook`` checks them. Execution model, streams and the non-finite policy: see
 :mod:`verl_comm.hooks._core`. For torch compatibility the simple hooks also accept a
-``ProcessGroup`` or None as ``state`` (like torch's ``allreduce_hook``).
+``ProcessGroup`` or None as ``state`` (like torch's ``allreduce_hook``); they then run
+synchronously without statistics or non-finite policy, and keep no state anywhere.
 """
 
 import torch
 import torch.distributed as dist
 
-from ._core import run_hook
+from ._core import run_hook, run_stateless
 from .state import CommHookState
 
-_ADHOC: dict[int, CommHookState] = {}
 
-
-def _as_state(state: CommHookState | dist.ProcessGroup | None) -> CommHookState:
+def _run(state: CommHookState | dist.ProcessGroup | None, bucket, method: str):
     if isinstance(state, CommHookState):
-        return state
-    key = id(state)
-    st = _ADHOC.get(key)
-    if st is None or st.process_group is not state:
-        st = _ADHOC[key] = CommHookState(process_group=state, collect_stats=False)
-    return st
+        return run_hook(state, bucket, method)
+    return run_stateless(state, bucket, method)  # torch's convention: a group as state
 
 
 def allreduce_hook(
@@ -53,7 +48,7 @@ def allreduce_hook(
         NonFiniteGradientError: on the last bucket of a step if any bucket held NaN/Inf and
             ``config.nonfinite == 'raise'``.
     """
-    return run_hook(_as_state(state), bucket, "allreduce")
+    return _run(state, bucket, "allreduce")
 
 
 def fp16_hook(
@@ -65,7 +60,7 @@ def fp16_hook(
     division by W) become Inf and are caught by the non-finite policy, never spread
     silently. Args/returns/raises as :func:`allreduce_hook`.
     """
-    return run_hook(_as_state(state), bucket, "fp16")
+    return _run(state, bucket, "fp16")
 
 
 def bf16_hook(
@@ -76,7 +71,7 @@ def bf16_hook(
     Unlike torch's ``bf16_compress_hook`` it also runs on CPU/gloo. Args/returns/raises as
     :func:`allreduce_hook`.
     """
-    return run_hook(_as_state(state), bucket, "bf16")
+    return _run(state, bucket, "bf16")
 
 
 def int8_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

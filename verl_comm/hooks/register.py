@@ -34,6 +34,7 @@ def make_hook(
     *,
     seed: int = 0,
     collect_stats: bool = True,
+    timeout_s: float = 300.0,
 ) -> tuple[HookFn, CommHookState]:
     """The hook function selected by ``config`` and a fresh state for it.
 
@@ -44,6 +45,7 @@ def make_hook(
         seed: low-rank start-vector seed (equal on all ranks).
         collect_stats: track relative error and residual norm per bucket (two extra
             reductions over each bucket; turn off for timing runs).
+        timeout_s: how long the state waits for buckets in flight on its worker.
 
     Returns:
         ``(hook, state)``; call ``hook(state, bucket)`` per bucket, or hand both to
@@ -58,7 +60,12 @@ def make_hook(
             f"{type(config).__name__}; build one with CompressionConfig(**your_dict)"
         )
     state = CommHookState(
-        process_group, config, recorder=recorder, seed=seed, collect_stats=collect_stats
+        process_group,
+        config,
+        recorder=recorder,
+        seed=seed,
+        collect_stats=collect_stats,
+        timeout_s=timeout_s,
     )
     return HOOKS[config.method], state
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from verl_comm.compression.collective import Collective, LocalCollective, ProcessGroupCollective
 from verl_comm.compression.config import CompressionConfig
-from verl_comm.compression.lowrank import LowRankBucketState, LowRankPlan
+from verl_comm.compression.lowrank import FactorWire, LowRankBucketState, LowRankPlan
 from verl_comm.compression.policy import LinkModel, PolicyDecision
 from verl_comm.telemetry import CommRecord, CommRecorder
 
@@ -102,6 +102,19 @@ class BucketState:
     lowrank: LowRankBucketState = field(default_factory=LowRankBucketState)
     plan: LowRankPlan | None = None
     decision: PolicyDecision | None = None
+    wire: FactorWire | None = None
+
+    def _tensors(self) -> list[torch.Tensor]:
+        lr = self.lowrank
+        ts = [self.residual, lr.rest_residual, *lr.qs, *lr.residuals]
+        return [t for t in ts if t is not None]
+
+    def zero_if_nonfinite(self, finite: torch.Tensor) -> None:
+        """Zero every residual and Q on the device where ``finite`` (0-dim bool) is False,
+        without reading the flag on the host (the CUDA path resolves flags a step later)."""
+        for t in self._tensors():
+            t.mul_(finite.to(t.dtype))
+            t.nan_to_num_(0.0, 0.0, 0.0)
 
     def reset(self) -> None:
         """Drop residuals and Q factors (a fresh start for this bucket)."""
@@ -120,9 +133,7 @@ class BucketState:
 
     def nbytes(self) -> int:
         """Bytes of tensors held (error-feedback residuals and Q factors)."""
-        ts = [self.residual, self.lowrank.rest_residual, *self.lowrank.qs]
-        ts += self.lowrank.residuals
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
 
 _META = ("method", "rank", "block", "residual dtype", "error feedback")
@@ -172,6 +183,18 @@ class CommHookState:
             the bucket per step); bytes, time and finiteness are always tracked.
         collective: a :class:`~verl_comm.compression.Collective` to use instead of
             ``process_group`` (custom transports, one-process simulations); not saved.
+        timeout_s: seconds the hook of the last bucket, :meth:`flush` and
+            :meth:`state_dict` wait for buckets in flight on the worker before
+            ``TimeoutError``; collectives themselves time out by the process group's
+            timeout.
+
+    Stats timing: on CPU a step's :attr:`last_stats` (and a ``nonfinite='raise'`` error,
+    raised by the hook of the step's last bucket) are final when backward returns. On CUDA
+    they are read without a host sync: at the end of a later step, once the device has
+    copied them (normally one step later), or at :meth:`flush`. So with
+    ``nonfinite='raise'`` the error of step k surfaces from the hook of the last bucket of
+    step k+1 (or from :meth:`flush`), after step k's update was applied; ``'skip'`` zeroes
+    the bucket's update and its error-feedback state on the device in step k itself.
 
     Attributes:
         iteration: completed reductions (incremented on ``bucket.is_last()``).
@@ -189,6 +212,7 @@ class CommHookState:
         seed: int = 0,
         collect_stats: bool = True,
         collective: Collective | None = None,
+        timeout_s: float = 300.0,
     ) -> None:
         self.process_group = process_group
         self.config = config if config is not None else CompressionConfig()
@@ -206,6 +230,37 @@ class CommHookState:
         self._streams: dict[torch.device, Any] = {}
         self._deferred: dict[str, Any] | None = None
         self._resume_until = 0  # after a load: first iteration DDP has surely rebuilt by
+        self.timeout_s = float(timeout_s)
+        self._worker: Any = None
+        self._submitted_iter = 0
+        self._inflight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], int]] = []
+
+    # -- execution -------------------------------------------------------------------
+    def worker(self) -> Any:
+        """The communication worker of the gloo path (started on first use)."""
+        if self._worker is None:
+            from .worker import CommWorker
+
+            self._worker = CommWorker()
+        return self._worker
+
+    def flush(self) -> None:
+        """Wait for every bucket in flight and resolve all pending statistics (one host
+        sync on CUDA); raises a pending :class:`NonFiniteGradientError`.
+
+        Raises:
+            TimeoutError: buckets still in flight on the worker after ``timeout_s``.
+        """
+        if self._worker is not None:
+            self._worker.drain(self.timeout_s)
+        self._resolve(block=True)
+
+    def close(self) -> None:
+        """Stop the worker thread (idempotent); the state can still be saved."""
+        if self._worker is not None:
+            self._worker.drain(self.timeout_s)
+            self._worker.close()
+            self._worker = None
 
     # -- transport -------------------------------------------------------------------
     @property
@@ -228,6 +283,7 @@ class CommHookState:
         self.link = None
         for b in self.buckets.values():
             b.decision = None
+            b.wire = None
 
     def ef_state_nbytes(self) -> int:
         """Bytes of error-feedback residuals and Q factors held by this rank."""
@@ -307,8 +363,10 @@ class CommHookState:
             dict with ``format``, ``world_size``, ``iteration``, ``seed``, ``generator``
             (uint8 RNG state), ``config`` (dict), ``link`` and ``buckets`` (per index:
             signature, meta, tensors cloned on their device, decision). Save it per rank
-            (residuals differ between ranks).
+            (residuals differ between ranks). Buckets in flight are waited for first
+            (worker drained, side streams joined; no host sync on CUDA).
         """
+        self._quiesce()
         buckets = {}
         for idx, b in self.buckets.items():
             buckets[idx] = {
@@ -343,6 +401,7 @@ class CommHookState:
         Raises:
             ValueError: unknown ``format``.
         """
+        self._quiesce()
         if sd.get("format") != STATE_FORMAT:
             raise ValueError(
                 f"state_dict format {sd.get('format')!r} is not {STATE_FORMAT}; it was written "
@@ -395,39 +454,70 @@ class CommHookState:
             self.load_state_dict(sd)
 
     # -- end of step -----------------------------------------------------------------
+    def _quiesce(self) -> None:
+        """No bucket in flight: drain the worker, order the current stream after the side
+        streams (device-side wait, no host sync)."""
+        if self._worker is not None:
+            self._worker.drain(self.timeout_s)
+        for dev, stream in self._streams.items():
+            torch.cuda.current_stream(dev).wait_stream(stream)
+
     def _add_pending(self, item: dict[str, Any]) -> None:
         self._pending.append(item)
 
     def end_step(self) -> None:
-        """Resolve the step's per-bucket flags and stats (one host sync), record them,
-        handle non-finite buckets and advance ``iteration``. Called by the hooks on
-        ``bucket.is_last()``.
+        """Close the step: advance ``iteration``; hand its per-bucket flags and stats to the
+        resolver (at once on CPU; on CUDA after a non-blocking copy to pinned memory, read
+        once it has landed). Called by the hooks on ``bucket.is_last()``.
 
         Raises:
-            NonFiniteGradientError: ``nonfinite='raise'`` and a bucket was non-finite.
+            NonFiniteGradientError: ``nonfinite='raise'`` and a resolved bucket was
+                non-finite.
         """
         pending, self._pending = self._pending, []
         it = self.iteration
         self.iteration += 1
         if not pending:
             return
-        # the hooks' device work ran on side streams: wait for it, then one transfer
-        for stream in self._streams.values():
-            stream.synchronize()
         nan = float("nan")
+        dev = pending[0]["finite"].device
         scalars = []
         for p in pending:
             e, i = p["err_sq"], p["in_sq"]
-            scalars += [p["finite"].float(), nan if e is None else e, nan if i is None else i]
-        dev = pending[0]["finite"].device
-        vals = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=dev) for v in scalars])
-        vals = vals.cpu()
-        vals = vals.view(-1, 3).tolist()
+            for v in (p["finite"], e, i):
+                if v is None:
+                    v = torch.full((), nan, dtype=torch.float32, device=dev)
+                scalars.append(v.to(dev, torch.float32).reshape(()))
+        vals = torch.stack(scalars)
+        if dev.type == "cuda":
+            host = torch.empty(vals.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(vals, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._inflight.append((ev, host, pending, it))
+            self._resolve(block=False)
+        else:
+            self._apply(vals, pending, it)
+
+    def _resolve(self, block: bool) -> None:
+        """Apply in-flight CUDA stats in step order; without ``block`` only those whose copy
+        has completed (``Event.query``, no host sync)."""
+        while self._inflight:
+            ev, host, pending, it = self._inflight[0]
+            if not block and not ev.query():
+                return
+            if block:
+                ev.synchronize()
+            self._inflight.pop(0)
+            self._apply(host, pending, it)
+
+    def _apply(self, vals: torch.Tensor, pending: list[dict[str, Any]], it: int) -> None:
+        rows = vals.view(-1, 3).tolist()
         bad: list[int] = []
         stats: dict[int, BucketStats] = {}
-        for p, (ok, e, i) in zip(pending, vals):
+        for p, (ok, e, i) in zip(pending, rows):
             ok = ok == 1.0
-            if p["t_end"] is not None:  # CUDA events
+            if p["t_end"] is not None:  # CUDA events (completed: the copy after them landed)
                 time_s = p["t_start"].elapsed_time(p["t_end"]) / 1e3
             else:
                 time_s = p["time_s"]
@@ -458,8 +548,8 @@ class CommHookState:
                 bad.append(p["index"])
                 self.nonfinite_events.append((it, p["index"]))
                 bs = self.buckets.get(p["index"])
-                if bs is not None:
-                    bs.reset()  # residuals / Q hold NaN now
+                if bs is not None and p["finite"].device.type == "cpu":
+                    bs.reset()  # residuals / Q hold NaN now (CUDA: zeroed on the device)
             if self.recorder is not None:
                 self.recorder.record(
                     CommRecord(

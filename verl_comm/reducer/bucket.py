@@ -1,5 +1,5 @@
-"""Bucket planning and a ``GradBucket``-compatible bucket for running DDP comm hooks
-outside DDP.
+"""Bucket planning for running DDP comm hooks outside DDP (the bucket class itself is
+:class:`verl_comm.hooks.bucket.GradBucket`, the one implementation shared with the hooks).
 
 The planner is pure (no process group, no tensors): it mirrors torch's
 ``dist._compute_bucket_assignment_by_size`` (``torch/csrc/distributed/c10d/reducer.cpp``):
@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+from verl_comm.hooks.bucket import GradBucket, HookBucket
+
+__all__ = ["GradBucket", "HookBucket", "TensorSpec", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -89,89 +91,3 @@ def plan_buckets(
     result.extend(b for b in open_buckets.values() if b)
     result.sort(key=lambda b: position[b[0]])
     return result
-
-
-class GradBucket:
-    """A bucket with the methods of ``torch.distributed.GradBucket``.
-
-    It owns one flat, contiguous 1-D buffer holding the gradients of its parameters
-    back to back (in bucket order); ``gradients()`` are views into that buffer shaped
-    like the parameters, so a hook that writes into them (as torch's ``powerSGD_hook``
-    does) writes into the buffer.
-
-    Args:
-        index: bucket index (0 = first to become ready).
-        params: the parameters of this bucket, in bucket order.
-        dtype: dtype of the buffer (the gradients' dtype).
-        device: device of the buffer.
-        is_last: whether this is the last bucket reduced in an iteration.
-    """
-
-    def __init__(
-        self,
-        index: int,
-        params: Sequence[torch.nn.Parameter],
-        dtype: torch.dtype,
-        device: torch.device,
-        is_last: bool,
-    ) -> None:
-        self._index = index
-        self._params = list(params)
-        self._is_last = is_last
-        self.offsets: list[int] = []
-        total = 0
-        for p in self._params:
-            self.offsets.append(total)
-            total += p.numel()
-        self._buffer = torch.zeros(total, dtype=dtype, device=device)
-        self._views = self._make_views(self._buffer)
-
-    def _make_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        return [
-            buffer.narrow(0, off, p.numel()).view(p.shape)
-            for off, p in zip(self.offsets, self._params)
-        ]
-
-    def index(self) -> int:
-        """Bucket index; hooks key their per-bucket state (residuals, Q) on it."""
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        """The flat 1-D buffer of shape ``(sum of numels,)`` holding the gradients."""
-        return self._buffer
-
-    def gradients(self) -> list[torch.Tensor]:
-        """Per-parameter views into :meth:`buffer`, each of its parameter's shape."""
-        return self._views
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        """The parameters of this bucket, in buffer order."""
-        return self._params
-
-    def is_last(self) -> bool:
-        """True for the last bucket of an iteration (hooks advance their iteration on it)."""
-        return self._is_last
-
-    def set_buffer(self, buffer: torch.Tensor) -> None:
-        """Replace the buffer by ``buffer`` (same numel; views are rebuilt on it).
-
-        Raises:
-            ValueError: ``buffer`` is not a 1-D tensor with the bucket's numel.
-        """
-        if buffer.dim() != 1 or buffer.numel() != self._buffer.numel():
-            raise ValueError(
-                f"set_buffer needs a 1-D tensor of {self._buffer.numel()} elements, "
-                f"got shape {tuple(buffer.shape)}"
-            )
-        self._buffer = buffer
-        self._views = self._make_views(buffer)
-
-    def nbytes(self) -> int:
-        """Bytes of the buffer (uncompressed payload of the bucket)."""
-        return self._buffer.numel() * self._buffer.element_size()
-
-    def __repr__(self) -> str:
-        return (
-            f"GradBucket(index={self._index}, params={len(self._params)}, "
-            f"numel={self._buffer.numel()}, dtype={self._buffer.dtype}, is_last={self._is_last})"
-        )

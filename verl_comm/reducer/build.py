@@ -45,7 +45,10 @@ def make_reducer(
     """
     from verl_comm.hooks import make_hook  # the hooks import torch.distributed helpers
 
-    hook, state = make_hook(config, process_group, recorder, collect_stats=collect_stats)
+    timeout_s = kwargs.get("timeout_s", 300.0)
+    hook, state = make_hook(
+        config, process_group, recorder, collect_stats=collect_stats, timeout_s=timeout_s
+    )
     return BucketedReducer(
         params,
         hook,

@@ -173,9 +173,9 @@ class BucketedReducer:
             GradBucket(
                 i,
                 [self.params[pid] for pid in ids],
-                self._dtype(self.params[ids[0]]),
-                self._device,
                 is_last=(i == len(plan) - 1),
+                dtype=self._dtype(self.params[ids[0]]),
+                device=self._device,
             )
             for i, ids in enumerate(plan)
         ]
@@ -346,8 +346,17 @@ class BucketedReducer:
             sleep = min(sleep * 2, 1e-3)
         fut.wait()  # re-raises the hook's exception, if any
 
-    def _exchange_used(self) -> list[bool]:
-        """Which parameters got a gradient on at least one rank (one small all-reduce)."""
+    def _exchange_used(self) -> list[bool] | None:
+        """Which parameters got a gradient on at least one rank (one small all-reduce).
+
+        Returns None when every parameter got a gradient on this rank (then every one is
+        used somewhere): the all-reduce still runs, so the ranks stay in step, but its result
+        is not read, so a CUDA step has no host sync here.
+        """
+        if all(self._ready):
+            used = torch.ones(len(self._ready), dtype=torch.int32, device=self._device)
+            dist.all_reduce(used, group=self.process_group)
+            return None
         used = torch.tensor(self._ready, dtype=torch.int32, device=self._device)
         dist.all_reduce(used, group=self.process_group)
         return [v > 0 for v in used.tolist()]
