@@ -27,8 +27,10 @@ def test_comm_hooks_smoke(tmp_path):
         "ours_lowrank_int8_r128", "ours_auto", "reducer_none", "reducer_int8",
     }  # fmt: skip
     assert set(times) == expected
+    assert len({r["run_id"] for r in recs}) == 1  # one run: every method side by side
     for r in recs:
         assert r["benchmark"] == "comm_hooks" and r["transport"] == "gloo"
+        assert r["world_size"] == 2
         assert r["device"].startswith("cpu") and r["commit"] and r["date"] and r["versions"]
     for h, r in times.items():
         assert r["numerics_ok"] and r["value"] > 0 and r["unit"] == "ms", h
@@ -40,5 +42,22 @@ def test_comm_hooks_smoke(tmp_path):
     assert wire["ours_bf16"] * 2 == wire["none"]  # bf16 halves the fp32 ring bytes
     assert 0 < wire["ours_int8"] < 0.3 * wire["none"]  # int8 + scales ~0.26x fp32
     assert times["reducer_none"]["rel_error"] == 0 or times["reducer_none"]["rel_error"] < 1e-6
+    lowrank = [h for h in times if "lowrank" in h]
+    assert all(times[h]["reference"] == "float64 run of the same algorithm" for h in lowrank)
     md = (tmp_path / "comm_hooks.md").read_text()
-    assert "| ours_int8 |" in md and "transport: gloo" in md
+    assert "| ours_int8 |" in md and "transport gloo" in md and recs[0]["run_id"] in md
+
+
+@pytest.mark.timeout(300)
+def test_two_gpu_launch_dry_run_on_cpu(tmp_path):
+    """Issue 21's launch (one pass per transport label, 2 ranks) on CPU/gloo: the records
+    carry world_size 2, their transport label and one run_id for both passes."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "comm_hooks.py"), "--smoke",
+           "--transport", "nvlink,socket", "--methods", "none,ours_int8,ours_lowrank_int8_r32",
+           "--rounds", "2", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    recs = [json.loads(x) for x in (tmp_path / "comm_hooks.jsonl").read_text().splitlines()]
+    assert {r["transport"] for r in recs} == {"nvlink", "socket"}
+    assert {r["world_size"] for r in recs} == {2} and len({r["run_id"] for r in recs}) == 1
+    assert {r["hook"] for r in recs} == {"none", "ours_int8", "ours_lowrank_int8_r32"}

@@ -39,9 +39,14 @@ def free_port() -> int:
 
 
 def spawn_session(
-    world: int, scenarios: list[str], out_dir: Path, timeout_s: float = 240.0
+    world: int,
+    scenarios: list[str],
+    out_dir: Path,
+    timeout_s: float = 240.0,
+    script: Path = HERE,
 ) -> list[dict]:
-    """Run ``scenarios`` in ``world`` gloo processes; return the per-rank result dicts.
+    """Run ``scenarios`` in ``world`` gloo processes of ``script`` (a worker file with this
+    command line); return the per-rank result dicts.
 
     Raises:
         RuntimeError: a process failed or timed out (its stderr tail is included).
@@ -51,7 +56,7 @@ def spawn_session(
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", PYTHONHASHSEED="0")
     procs = []
     for r in range(world):
-        cmd = [sys.executable, str(HERE), "--rank", str(r), "--world", str(world)]
+        cmd = [sys.executable, str(script), "--rank", str(r), "--world", str(world)]
         cmd += ["--port", str(port), "--out", str(out_dir), *scenarios]
         procs.append(
             subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from verl_comm.compression import CompressionConfig
-from verl_comm.hooks import CommHookState, TensorBucket, int8_hook
+from verl_comm.hooks import CommHookState, GradBucket, int8_hook
 
 SHAPES = [(24, 16), (24,), (24, 24), (24,), (8, 24), (8,)]
 
@@ -32,10 +32,10 @@ def _cfg(**kw) -> CompressionConfig:
         return CompressionConfig(**base)
 
 
-def _bucket(seed: int, shapes=SHAPES) -> TensorBucket:
+def _bucket(seed: int, shapes=SHAPES) -> GradBucket:
     ps = [torch.zeros(s) for s in shapes]
     g = torch.Generator().manual_seed(seed)
-    return TensorBucket(torch.randn(sum(p.numel() for p in ps), generator=g), ps)
+    return GradBucket(0, ps, buffer=torch.randn(sum(p.numel() for p in ps), generator=g))
 
 
 def _trained(steps: int = 4) -> CommHookState:

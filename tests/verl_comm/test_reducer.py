@@ -63,7 +63,7 @@ def test_plan_buckets_follows_order_and_validates():
 
 def test_grad_bucket_views_and_set_buffer():
     params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(()))]
-    b = GradBucket(0, params, torch.float32, torch.device("cpu"), is_last=True)
+    b = GradBucket(0, params, is_last=True, dtype=torch.float32, device=torch.device("cpu"))
     assert b.buffer().shape == (7,) and b.index() == 0 and b.is_last()
     assert [g.shape for g in b.gradients()] == [(2, 3), ()]
     b.gradients()[0].fill_(2.0)

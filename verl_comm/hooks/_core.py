@@ -306,6 +306,10 @@ def _keep_ranges(bucket: Any) -> Keep:
     return tuple(out)
 
 
+def _unwrap(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.wait()
+
+
 def _uses_worker(state: CommHookState, dev: torch.device) -> bool:
     coll = state.collective
     return dev.type == "cpu" and isinstance(coll, ProcessGroupCollective) and coll.world_size > 1
@@ -336,8 +340,10 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
         worker = state.worker()
         it = state._submitted_iter
 
+        submitted = time.perf_counter()
+
         def job() -> torch.Tensor:
-            _reduce_bucket(state, buf, index, shapes, keep, method, is_last)
+            _reduce_bucket(state, buf, index, shapes, keep, method, is_last, submitted)
             return buf
 
         def fatal(e: BaseException) -> bool:
@@ -346,10 +352,14 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
             return not isinstance(e, NonFiniteGradientError)
 
         worker.submit(job, fut, f"bucket {index} ({method}) at iteration {it}", fatal)
+        # A Python Future's set_exception stores the error as its value, which DDP's C++
+        # reducer would then try to cast to a Tensor; unwrapping it in a callback (no
+        # collective there) turns it into a real error of the returned Future.
+        out = fut.then(_unwrap)
         if is_last:
             state._submitted_iter += 1
             worker.drain(state.timeout_s)  # nothing of ours may overlap the caller's next call
-        return fut
+        return out
     fut = torch.futures.Future(devices=[dev]) if dev.type == "cuda" else torch.futures.Future()
     with _side_stream(state, dev):
         _reduce_bucket(state, buf, index, shapes, keep, method, is_last)
@@ -366,8 +376,10 @@ def _reduce_bucket(
     keep: Keep,
     method: str,
     is_last: bool,
+    submitted_s: float | None = None,
 ) -> None:
-    """The whole chain of one bucket (on the side stream, the worker, or inline)."""
+    """The whole chain of one bucket (on the side stream, the worker, or inline);
+    ``submitted_s``: ``perf_counter`` when the hook handed it to the worker."""
     cfg = state.config
     coll = state.collective
     dev = buf.device
@@ -423,6 +435,7 @@ def _reduce_bucket(
             "has_residual": res.has_residual,
             "time_s": elapsed,
             "start_s": start_s,
+            "submitted_s": start_s if submitted_s is None else submitted_s,
             "t_start": ev0,
             "t_end": ev1,
         }

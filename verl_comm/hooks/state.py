@@ -408,6 +408,7 @@ class CommHookState:
                 "by another version of verl_comm.hooks"
             )
         self.iteration = int(sd["iteration"])
+        self._submitted_iter = self.iteration
         self.seed = int(sd["seed"])
         self.generator.set_state(sd["generator"])
         self.buckets = {}
@@ -567,6 +568,7 @@ class CommHookState:
                                 ("residual_norm", res),
                                 ("finite", float(ok)),
                                 ("iteration", float(it)),
+                                ("submitted_s", p["submitted_s"]),
                             )
                             if v is not None
                         },

@@ -1,0 +1,109 @@
+"""GPU only (skipped without CUDA): a DDP step with each verl_comm hook, and a step through
+the bucketed reducer, make no host synchronisation (issue 14).
+
+``torch.cuda.set_sync_debug_mode("error")`` turns every synchronising CUDA call (stream or
+device synchronise, blocking copies, ``.item()``) into an exception. One NCCL rank (W = 1):
+the hooks run their full compress and decompress chain, the collectives are trivial.
+Warm-up steps first (start_iter, the one-time link measurement and policy decision are
+allowed to synchronise); the step under test is a steady one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import warnings
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+METHODS = {
+    "bf16": {"gradient_compression": "bf16"},
+    "fp16": {"gradient_compression": "fp16"},
+    "none": {},
+    "int8": {"gradient_compression": "int8"},
+    "lowrank_int8": {"gradient_compression": "int8", "compression_rank": 16},
+    "auto": {"gradient_compression": "int8", "compression_rank": 16, "policy": "auto"},
+}
+
+
+@pytest.fixture(scope="module")
+def nccl_one_rank():
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=120),
+        device_id=dev,
+    )
+    yield dev
+    dist.destroy_process_group()
+
+
+def _cfg(fields):
+    from verl_comm.compression import CompressionConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return CompressionConfig(bucket_cap_mb=1.0, **fields)
+
+
+def _model(dev):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(512, 512) for _ in range(4)] + [torch.nn.Linear(512, 8)]
+    return torch.nn.Sequential(*layers).to(dev)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("reducer", [False, True], ids=["ddp", "reducer"])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_step_without_host_sync(nccl_one_rank, method, reducer):
+    from verl_comm.hooks import make_hook
+    from verl_comm.reducer import BucketedReducer
+
+    dev = nccl_one_rank
+    module = _model(dev)
+    hook, state = make_hook(_cfg(METHODS[method]))
+    red = None
+    if reducer:
+        red = BucketedReducer(module, hook, state, bucket_cap_mb=1.0)
+        model = module
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(module, device_ids=[0], bucket_cap_mb=1.0)
+        model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    x = torch.randn(64, 512, device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            out = model(x)
+        out.float().square().mean().backward()
+        if red is not None:
+            red.finalize()
+        opt.step()
+
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    state.flush()  # the explicit sync: resolves the last steps' statistics
+    want = "allreduce" if method in ("none", "auto") else method
+    assert {s.method for s in state.last_stats.values()} == {want}
+    assert all(s.finite for s in state.last_stats.values())
+    assert state.iteration == 6
