@@ -7,12 +7,11 @@ autocast, loss ``mean(out.float()**2)``, SGD, ``bucket_cap_mb=25``.
 Methods (one model + optimizer + hook state each, all alive at once, same seed):
 
 * ``compute_only``: forward/backward/step under ``ddp.no_sync()`` (no communication);
-* ``none`` (DDP's fp32 all-reduce), ``torch_bf16`` (``bf16_compress_hook``),
-  ``torch_powersgd_r32`` / ``_r128`` (``powerSGD_hook``: start_powerSGD_iter=2,
-  min_compression_rate=2, use_error_feedback=True, warm_start=True);
-* ``ours_bf16``, ``ours_int8``, ``ours_lowrank_int8_r32`` / ``_r64`` / ``_r128``,
-  ``ours_auto`` (int8 low rank r64 with ``policy: auto``), registered with DDP's own
-  ``register_comm_hook``;
+* ``none`` (DDP's fp32 all-reduce), ``torch_bf16`` (``bf16_compress_hook``, CUDA only),
+  ``torch_fp16`` (``fp16_compress_hook``), ``torch_powersgd_r<N>`` (``powerSGD_hook``:
+  start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True, warm_start=True);
+* ``ours_bf16``, ``ours_int8``, ``ours_lowrank_int8_r<N>``, ``ours_auto`` (int8 low rank
+  r64 with ``policy: auto``), registered with DDP's own ``register_comm_hook``;
 * ``reducer_none`` / ``reducer_int8``: no DDP, the same hooks through
   ``verl_comm.reducer.BucketedReducer`` (the DeepSpeed path), for its overhead.
 
@@ -21,33 +20,38 @@ Protocol:
 1. Warm-up rounds (``--warmup``, >= 3 so that every compressor is past its start
    iteration) with learning rate 0, so all models keep identical weights and see the
    same per-rank batches.
-2. Numerics first: after the last warm-up round, each method's averaged gradient is
-   compared with ``none``'s (relative L2 error over all parameters) and must be within
-   the method's bound (exact 1e-6, bf16 2e-2, int8 5e-2; low rank with error feedback
-   < 2: it sends an approximation of gradient + carried residual, so only gross failure
-   is caught and the value is reported), finite, and identical on both ranks
-   (fingerprint all-gather). A failing method is flagged and not timed.
+2. Numerics first, on the last warm-up round: each method's averaged gradient against
+   ``none``'s (relative L2 error over all parameters; exact 1e-6, bf16/fp16 2e-2, int8
+   5e-2), finite, identical on every rank (fingerprint all-gather). Our low rank is
+   compared with a float64 run of the same algorithm on the same inputs (same Q, residuals
+   and RNG state, exact all-reduces): bound 0.1; an all-zero or wrongly scaled result is
+   >= 1. Torch's PowerSGD: finite, replicas identical, and its norm within 0.5-2x of the
+   exact average's (a zero result fails). A failing method is flagged and not timed.
 3. ``--rounds`` timed rounds at ``--lr``; in each round every method runs one step, in
    an order rotated per round. A step (zero_grad, forward, backward, reduction, SGD step)
    is timed with CUDA events and ``torch.cuda.synchronize()`` (``perf_counter`` on CPU).
 4. Per method: median over rounds of the max across ranks (``rank: "max"``) and each
    rank's own median; wire bytes per rank per step (measured by our hooks, analytic for
-   torch's: ring all-reduce 2(W-1)/W x bytes, PowerSGD's P and Q in fp32); error-feedback
-   state bytes (ours: residuals + Q; torch PowerSGD: error_dict + P/Q memories).
+   torch's); error-feedback state bytes. On CUDA, ``host_syncs_per_step``: synchronising
+   CUDA calls in one step, counted with ``torch.cuda.set_sync_debug_mode("warn")``. On
+   CPU, ``hidden_fraction``: one probe step per method times each bucket from its hook call
+   to its Future's completion; busy = union of those intervals, exposed = step time minus
+   ``compute_only``'s median, hidden = 1 - exposed / busy (clamped to [0, 1]).
 
-Transport: chosen by the launch environment; ``--transport`` is the label. Without
-torchrun the script launches its own 2 ranks, once per label in ``--transport``
+Every record of one launch carries the same ``run_id`` and ``world_size``; records are
+appended to ``<out>/comm_hooks.jsonl`` and ``<out>/comm_hooks.md`` is generated from all of
+them by ``benchmarks/comm_hooks_report.py`` (methods are compared only within a run).
+
+Transport: chosen by the launch environment; ``--transport`` is the label (``local`` at
+``--world 1``). Without torchrun the script launches its own ranks, once per label
 (``socket`` sets ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`` for its pass, ``nvlink``
-clears them). Under torchrun give one label; it must agree with the environment.
-
-Output: ``<out>/comm_hooks.jsonl`` (records ``{"benchmark": "comm_hooks", "metric":
-"step_time" | "wire_bytes_per_step" | "ef_state_bytes" | "rel_error", "hook", "rank",
-"transport", "value", "unit", ...}``; a rerun replaces only its transport's records) and
-``<out>/comm_hooks.md``.
+clears them). Under torchrun (or any launcher setting RANK/WORLD_SIZE/MASTER_ADDR, e.g.
+``benchmarks/slow_link_hooks.sh``) give one label.
 
 Usage::
 
     python benchmarks/comm_hooks.py --smoke --out /tmp/ch           # CPU gloo, < 60 s
+    python benchmarks/comm_hooks.py --world 1 --out $OUT           # 1 GPU: the hooks' cost
     python benchmarks/comm_hooks.py --transport nvlink,socket --out $OUT   # 2 GPUs
     NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc_per_node 2 \\
         benchmarks/comm_hooks.py --transport socket --out $OUT
@@ -60,11 +64,11 @@ import datetime
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+import uuid
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -102,37 +106,67 @@ def _importable_checkout() -> None:
 
 
 _importable_checkout()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # comm_hooks_report
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
-TORCH_HOOKS = ("none", "torch_bf16", "torch_powersgd_r32", "torch_powersgd_r128")
-OURS = {  # name -> CompressionConfig fields
+TORCH_FIXED = ("none", "torch_bf16", "torch_fp16")
+REDUCER = {"reducer_none": {}, "reducer_int8": {"gradient_compression": "int8"}}
+OURS_FIXED = {  # name -> CompressionConfig fields
     "ours_bf16": {"gradient_compression": "bf16"},
     "ours_int8": {"gradient_compression": "int8"},
-    "ours_lowrank_int8_r32": {"gradient_compression": "int8", "compression_rank": 32},
-    "ours_lowrank_int8_r64": {"gradient_compression": "int8", "compression_rank": 64},
-    "ours_lowrank_int8_r128": {"gradient_compression": "int8", "compression_rank": 128},
     "ours_auto": {"gradient_compression": "int8", "compression_rank": 64, "policy": "auto"},
 }
-REDUCER = {"reducer_none": {}, "reducer_int8": {"gradient_compression": "int8"}}
-METHODS = ("compute_only", *TORCH_HOOKS, *OURS, *REDUCER)
-BOUNDS = {"none": 1e-6, "reducer_none": 1e-6, "bf16": 2e-2, "int8": 5e-2, "lowrank": 2.0}
+METHODS = (
+    "compute_only", "none", "torch_bf16", "torch_powersgd_r32", "torch_powersgd_r128",
+    "ours_bf16", "ours_int8", "ours_lowrank_int8_r32", "ours_lowrank_int8_r64",
+    "ours_lowrank_int8_r128", "ours_auto", "reducer_none", "reducer_int8",
+)  # fmt: skip
+"""The default set (issue 21's run); ``torch_fp16``, ``torch_powersgd_r<N>`` and
+``ours_lowrank_int8_r<N>`` for any N can be asked for with ``--methods``."""
+BOUNDS = {"none": 1e-6, "reducer_none": 1e-6, "bf16": 2e-2, "int8": 5e-2, "lowrank": 0.1}
+
+
+def _rank_of(name: str, prefix: str) -> int | None:
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return int(name[len(prefix) :])
+    return None
+
+
+def ours_fields(name: str) -> dict | None:
+    """CompressionConfig fields of one of our methods (None if ``name`` is not ours)."""
+    if name in OURS_FIXED:
+        return OURS_FIXED[name]
+    if name in REDUCER:
+        return REDUCER[name]
+    r = _rank_of(name, "ours_lowrank_int8_r")
+    return None if r is None else {"gradient_compression": "int8", "compression_rank": r}
+
+
+def known(name: str) -> bool:
+    """Whether ``name`` is a method this benchmark can build."""
+    return (
+        name == "compute_only"
+        or name in TORCH_FIXED
+        or ours_fields(name) is not None
+        or _rank_of(name, "torch_powersgd_r") is not None
+    )
 
 
 def bound_of(method: str) -> float | None:
-    """Relative L2 error bound vs the plain all-reduce (None: not checked)."""
+    """Relative L2 error bound (None: not checked; low rank: see the module docstring)."""
     if method == "compute_only":
         return None
     if method in BOUNDS:
         return BOUNDS[method]
     if "powersgd" in method or "lowrank" in method or method == "ours_auto":
         return BOUNDS["lowrank"]
-    return BOUNDS["bf16"] if "bf16" in method else BOUNDS["int8"]
+    return BOUNDS["bf16"] if ("bf16" in method or "fp16" in method) else BOUNDS["int8"]
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU gloo, tiny model, < 60 s (CI)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    p.add_argument("--transport", default=None, help="label(s): nvlink, socket, or both")
+    p.add_argument("--transport", default=None, help="label(s): nvlink, socket, local, ...")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--batch", type=int, default=4096)
@@ -142,25 +176,88 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--link-mbit", type=float, default=None, help="shaped link rate (record)")
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU even if CUDA is present")
     p.add_argument("--deadline-s", type=float, default=560.0, help="all passes together")
+    p.add_argument("--run-id", default=None, help="shared by every record of this run")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # worker output file
     a = p.parse_args(argv)
     if a.smoke:
         a.layers, a.dim, a.batch, a.warmup = 4, 64, 64, 4
         a.rounds = a.rounds or 3
         a.transport = a.transport or "gloo"
+        a.cpu = True
     a.methods = [m for m in a.methods.split(",") if m]
-    bad = sorted(set(a.methods) - set(METHODS))
+    bad = sorted(m for m in a.methods if not known(m))
     if bad:
-        p.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+        p.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}, torch_fp16, "
+                "torch_powersgd_r<N>, ours_lowrank_int8_r<N>")  # fmt: skip
     if "none" not in a.methods:
         a.methods.insert(0, "none")  # the numerics reference
     if a.warmup < 3:
         p.error("--warmup must be >= 3 (compressors start at iteration 2)")
+    if a.world < 1:
+        p.error("--world must be >= 1")
+    a.run_id = a.run_id or uuid.uuid4().hex[:12]
     return a
 
 
 # ------------------------------------------------------------------ methods
+class Probe:
+    """Times each bucket from its hook call to its Future's completion, when ``on``.
+
+    The completion time is taken in a ``Future.then`` callback that only reads the clock
+    (no collective). Meaningful on CPU; on CUDA a Future completes when the work is
+    enqueued."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.spans: list[tuple[float, float]] = []
+
+    def wrap(self, hook):
+        def probed(state, bucket):
+            if not self.on:
+                return hook(state, bucket)
+            t0 = time.perf_counter()
+            fut = hook(state, bucket)
+
+            def done(f):
+                self.spans.append((t0, time.perf_counter()))
+                return f.value()
+
+            return fut.then(done)
+
+        return probed
+
+
+class Capture:
+    """Inputs and pre-step state of our low-rank buckets on the numerics step (then off)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.items: list[dict] = []
+
+    def wrap(self, hook):
+        def capturing(state, bucket):
+            if self.on and state.config.method == "lowrank_int8":
+                state.flush()
+                idx = int(bucket.index())
+                bs = state.buckets.get(idx)
+                lr = None if bs is None else bs.lowrank
+                self.items.append({
+                    "index": idx,
+                    "params": list(bucket.parameters()),
+                    "input": bucket.buffer().detach().clone(),
+                    "gen": state.generator.get_state(),
+                    "qs": [] if lr is None else [None if q is None else q.clone() for q in lr.qs],
+                    "res": [] if lr is None else [None if r is None else r.clone() for r in lr.residuals],
+                    "rest": None if lr is None or lr.rest_residual is None else lr.rest_residual.clone(),
+                })  # fmt: skip
+            return hook(state, bucket)
+
+        return capturing
+
+
 class Method:
     """One model, its DDP wrapper (or reducer), optimizer and hook state."""
 
@@ -175,34 +272,46 @@ class Method:
         self.module = torch.nn.Sequential(*layers)
         self.state = None
         self.reducer = None
+        self.probe = Probe()
+        self.capture = Capture()
         ids = [device.index] if device.type == "cuda" else None
-        if name in REDUCER:
-            cfg = CompressionConfig(bucket_cap_mb=args.bucket_cap_mb, **REDUCER[name])
+        fields = ours_fields(name)
+        if fields is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # ranks below 64 are asked for
+                cfg = CompressionConfig(bucket_cap_mb=args.bucket_cap_mb, **fields)
             self.state = CommHookState(None, cfg, collect_stats=False)
+            hook = self.probe.wrap(self.capture.wrap(HOOKS[cfg.method]))
+        if name in REDUCER:
             self.reducer = BucketedReducer(
-                self.module, HOOKS[cfg.method], self.state, bucket_cap_mb=args.bucket_cap_mb
-            )
+                self.module, hook, self.state, bucket_cap_mb=args.bucket_cap_mb,
+                find_unused_parameters=False,  # as DDP's default, which `none` uses
+            )  # fmt: skip
             self.model = self.module
         else:
             self.model = torch.nn.parallel.DistributedDataParallel(
                 self.module, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb
             )
             if name == "torch_bf16":
-                self.model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+                self.model.register_comm_hook(
+                    None, self.probe.wrap(default_hooks.bf16_compress_hook)
+                )
+            elif name == "torch_fp16":
+                self.model.register_comm_hook(
+                    None, self.probe.wrap(default_hooks.fp16_compress_hook)
+                )
             elif name.startswith("torch_powersgd_r"):
                 self.state = psgd.PowerSGDState(
                     process_group=None,
-                    matrix_approximation_rank=int(name.rsplit("r", 1)[1]),
+                    matrix_approximation_rank=_rank_of(name, "torch_powersgd_r"),
                     start_powerSGD_iter=2,
                     min_compression_rate=2,
                     use_error_feedback=True,
                     warm_start=True,
                 )
-                self.model.register_comm_hook(self.state, psgd.powerSGD_hook)
-            elif name in OURS:
-                cfg = CompressionConfig(bucket_cap_mb=args.bucket_cap_mb, **OURS[name])
-                self.state = CommHookState(None, cfg, collect_stats=False)
-                self.model.register_comm_hook(self.state, HOOKS[cfg.method])
+                self.model.register_comm_hook(self.state, self.probe.wrap(psgd.powerSGD_hook))
+            elif fields is not None:
+                self.model.register_comm_hook(self.state, hook)
         self.opt = torch.optim.SGD(self.module.parameters(), lr=0.0)
 
     def step(self, x: torch.Tensor) -> None:
@@ -229,7 +338,7 @@ class Method:
             return 0, "analytic"
         if self.name == "none":
             return ring(n, world, 4), "analytic"
-        if self.name == "torch_bf16":
+        if self.name in ("torch_bf16", "torch_fp16"):
             return ring(n, world, 2), "analytic"
         if self.name.startswith("torch_powersgd"):
             r = self.state.matrix_approximation_rank
@@ -242,8 +351,8 @@ class Method:
                         continue
                 total += ring(p.numel(), world, 4)
             return total, "analytic"
-        stats = getattr(self.state, "last_stats", {})
-        return sum(s.wire_bytes for s in stats.values()), "measured"
+        self.state.flush()
+        return sum(s.wire_bytes for s in self.state.last_stats.values()), "measured"
 
     def ef_bytes(self) -> int:
         """Bytes of error-feedback state (residuals, warm-start factors) on this rank."""
@@ -255,9 +364,11 @@ class Method:
         return int(self.state.ef_state_nbytes())
 
     def close(self) -> None:
-        """Drop the model (before destroy_process_group, FACTS 7)."""
+        """Drop the model (before destroy_process_group) and stop the hook's worker."""
         if self.reducer is not None:
             self.reducer.remove()
+        if hasattr(self.state, "close"):
+            self.state.close()
         del self.model, self.module, self.opt, self.state, self.reducer
 
 
@@ -287,8 +398,71 @@ def _timed(method: Method, x: torch.Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def host_syncs(method: Method, x: torch.Tensor) -> int:
+    """Synchronising CUDA calls in one step (``set_sync_debug_mode("warn")`` warnings)."""
+    _sync(method.device)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            method.step(x)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    _sync(method.device)
+    return sum("synchroniz" in str(w.message) for w in rec)
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _lowrank_reference(m: Method, world: int) -> float | None:
+    """Relative L2 distance of our low-rank result from a float64 run of the same
+    algorithm (same inputs, Q, residuals and RNG; exact all-reduces) over all its
+    low-rank buckets; None when no bucket took the low-rank path (policy auto)."""
+    from verl_comm.compression.collective import ProcessGroupCollective
+    from verl_comm.compression.lowrank import FactorWire, LowRankBucketState
+    from verl_comm.compression.lowrank import lowrank_int8_allreduce as lowrank
+    from verl_comm.hooks._core import bucket_plan
+
+    st = m.state
+    st.flush()  # CUDA: the step's per-bucket paths are read after the device got there
+    cfg = st.config
+    coll = ProcessGroupCollective(None)
+    err_sq = ref_sq = 0.0
+    d64 = torch.float64
+    for it in m.capture.items:
+        bs = st.buckets[it["index"]]
+        if bs.meta[0] != "lowrank_int8" or st.last_stats[it["index"]].method != "lowrank_int8":
+            continue  # a plain bucket under policy auto: compared with `none` instead
+        plan = bucket_plan(st, bs, it["input"].numel())
+        lr64 = LowRankBucketState(
+            qs=[None if q is None else q.to(d64) for q in it["qs"]],
+            residuals=[None if r is None else r.to(d64) for r in it["res"]],
+            rest_residual=None if it["rest"] is None else it["rest"].to(d64),
+        )
+        gen = torch.Generator().manual_seed(0)
+        gen.set_state(it["gen"])
+        ref = lowrank(
+            it["input"].to(d64), plan, lr64, coll, block=cfg.quant_block,
+            error_feedback=cfg.error_feedback, warm_start=cfg.warm_start, generator=gen,
+            wire=FactorWire("exact", "exact", "exact"), stats=False,
+        ).out  # fmt: skip
+        out = torch.cat([p.grad.reshape(-1) for p in it["params"]]).to(d64)
+        err_sq += float((out - ref).square().sum())
+        ref_sq += float(ref.square().sum())
+    if ref_sq == 0:
+        return None
+    return (err_sq / ref_sq) ** 0.5
+
+
 def _check(methods: dict[str, Method], world: int) -> dict[str, dict]:
-    """Each method's gradient vs ``none``'s: relative L2 error, finiteness, replicas."""
+    """Each method's gradient vs ``none``'s (ours low rank: vs its float64 reference)."""
     ref = [p.grad for p in methods["none"].module.parameters()]
     ref_sq = sum(float(g.double().square().sum()) for g in ref)
     out = {}
@@ -309,18 +483,29 @@ def _check(methods: dict[str, Method], world: int) -> dict[str, dict]:
         allfp = [torch.zeros_like(fp) for _ in range(world)]
         dist.all_gather(allfp, fp)
         same = all(torch.equal(allfp[0], f) for f in allfp[1:])
-        ok = finite and same and rel <= bound
-        why = "" if ok else f"finite={finite} replicas_identical={same} rel={rel:.3g}>{bound}"
-        out[name] = {"ok": ok, "rel_error": rel, "bound": bound, "why": why}
+        info = {"vs_none": rel}
+        ref_rel = _lowrank_reference(m, world) if m.capture.items else None
+        if ref_rel is not None:  # ours, low rank: the float64 run of the same algorithm
+            rel = ref_rel
+            info["reference"] = "float64 run of the same algorithm"
+            ok = finite and same and rel <= bound
+        elif "powersgd" in name:
+            norm = sum(float(g.double().square().sum()) for g in grads) ** 0.5
+            ratio = norm / ref_sq**0.5 if ref_sq > 0 else float("inf")
+            info.update(norm_ratio=ratio, reference="norm within 0.5-2x of the exact average")
+            ok = finite and same and 0.5 <= ratio <= 2.0
+        else:
+            ok = finite and same and rel <= bound
+        why = "" if ok else f"finite={finite} replicas_identical={same} rel={rel:.3g} {info}"
+        out[name] = {"ok": ok, "rel_error": rel, "bound": bound, "why": why, **info}
     return out
 
 
 def worker(args: argparse.Namespace) -> None:
     """One rank: build every method, warm up, check numerics, time, write records."""
-    warnings.filterwarnings("ignore", message="compression_rank=")  # r32 is asked for
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
-    cuda = torch.cuda.is_available() and not args.smoke
+    cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -332,8 +517,8 @@ def worker(args: argparse.Namespace) -> None:
         **({"device_id": device} if cuda else {}),
     )
     transport = args.transport
-    rounds = args.rounds or (8 if transport == "socket" else 20)
-    names = [m for m in METHODS if m in args.methods]
+    rounds = args.rounds or (8 if transport in ("socket", "shaped_veth") else 20)
+    names = [m for m in args.methods]
     if not cuda and "torch_bf16" in names:
         names.remove("torch_bf16")  # torch's bf16_compress_hook refuses to run without CUDA
     methods = {}
@@ -342,13 +527,21 @@ def worker(args: argparse.Namespace) -> None:
         for n in names:
             methods[n] = Method(n, args, device)
         if rank == 0:
-            print(f"[{transport}] built {len(methods)} methods in {time.perf_counter() - t0:.1f} s")
+            print(f"[{transport}] built {len(methods)} methods in {time.perf_counter() - t0:.1f} s",
+                  flush=True)  # fmt: skip
         for step in range(args.warmup):  # lr 0: weights stay identical across methods
             x = _batch(args, rank, step, device)
+            last = step == args.warmup - 1
             for m in methods.values():
+                m.capture.on = last
                 m.step(x)
+                m.capture.on = False
+            if rank == 0:
+                print(f"[{transport}] warm-up round {step} done", flush=True)
         _sync(device)
         checks = _check(methods, world)
+        for m in methods.values():
+            m.capture.items.clear()
         flags = torch.tensor([float(checks[n]["ok"]) for n in names], device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank times the same methods
         timed = [n for n, f in zip(names, flags.tolist()) if f > 0]
@@ -357,9 +550,8 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             for n in names:
                 c = checks[n]
-                print(
-                    f"[{transport}] numerics {n:24s} ok={c['ok']} rel={c['rel_error']} {c['why']}"
-                )
+                print(f"[{transport}] numerics {n:24s} ok={c['ok']} rel={c['rel_error']} {c['why']}",
+                      flush=True)  # fmt: skip
         for m in methods.values():
             for g in m.opt.param_groups:
                 g["lr"] = args.lr
@@ -369,13 +561,25 @@ def worker(args: argparse.Namespace) -> None:
             order = timed[r % len(timed) :] + timed[: r % len(timed)]
             for n in order:
                 times[n].append(_timed(methods[n], x))
+        extra = {n: {} for n in timed}
+        x = _batch(args, rank, args.warmup + rounds, device)
+        for n in timed:
+            m = methods[n]
+            if cuda:
+                extra[n]["host_syncs_per_step"] = host_syncs(m, x)
+            else:
+                m.probe.on = True
+                step_ms = _timed(m, x)
+                m.probe.on = False
+                extra[n]["probe"] = (step_ms, _union(m.probe.spans) * 1e3)
         local_t = torch.tensor([times[n] for n in timed], dtype=torch.float64, device=device)
         all_t = [torch.zeros_like(local_t) for _ in range(world)]
         dist.all_gather(all_t, local_t)
         extras = {n: (methods[n].wire_bytes(world), methods[n].ef_bytes()) for n in names}
         grad_bf16 = sum(p.numel() * 2 for p in methods["none"].module.parameters())
         if rank == 0:
-            recs = _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, rounds)
+            recs = _records(args, transport, names, timed, checks, all_t, extras, grad_bf16,
+                            rounds, extra, cuda)  # fmt: skip
             _write_part(args, recs)
     finally:
         for m in methods.values():
@@ -385,16 +589,17 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, rounds):
+def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, rounds, extra, cuda):
     from verl_comm.bench.env import commit, now_iso, versions
 
     stacked = torch.stack(all_t).cpu()  # (world, methods, rounds)
-    if torch.cuda.is_available() and not args.smoke:
+    if cuda:
         device = f"{torch.cuda.get_device_name(0)} x{args.world}"
     else:
         device = f"cpu gloo x{args.world}"
     base = {
         "benchmark": BENCH,
+        "run_id": args.run_id,
         "transport": transport,
         "device": device,
         "versions": versions(),
@@ -402,16 +607,25 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
         "commit": commit(),
         "world_size": args.world,
         "workload": f"{args.layers}x Linear({args.dim},{args.dim}), input {args.batch}x{args.dim}, "
-        f"{'bf16 autocast' if 'cpu' not in device else 'fp32'}, SGD, bucket_cap_mb="
-        f"{args.bucket_cap_mb:g}",
+        f"{'bf16 autocast' if cuda else 'fp32'}, SGD, bucket_cap_mb={args.bucket_cap_mb:g}",
         "rounds": rounds,
         "warmup": args.warmup,
     }
+    if args.link_mbit is not None:
+        base["link_mbit"] = args.link_mbit
+    if not cuda:
+        base["note"] = "CPU wall-clock on a shared machine (other jobs may disturb it)"
+    compute = None
+    if "compute_only" in timed:
+        compute = statistics.median(
+            stacked[:, timed.index("compute_only"), :].max(0).values.tolist()
+        )
     recs = []
     for n in names:
         c = checks[n]
         info = {**base, "hook": n, "config": _config_of(n), "numerics_ok": c["ok"],
-                "rel_error": c["rel_error"], "rel_error_bound": c.get("bound")}  # fmt: skip
+                "rel_error": c["rel_error"], "rel_error_bound": c.get("bound"),
+                **{k: c[k] for k in ("vs_none", "reference", "norm_ratio") if k in c}}  # fmt: skip
         if n in timed:
             i = timed.index(n)
             per_round_max = stacked[:, i, :].max(dim=0).values.tolist()
@@ -421,6 +635,19 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
             for r in range(stacked.shape[0]):
                 recs.append({**info, "metric": "step_time", "rank": r, "unit": "ms",
                              "value": statistics.median(stacked[r, i, :].tolist())})  # fmt: skip
+            e = extra.get(n, {})
+            if "host_syncs_per_step" in e:
+                recs.append({**info, "metric": "host_syncs_per_step", "rank": 0, "unit": "count",
+                             "value": e["host_syncs_per_step"],
+                             "how": "torch.cuda.set_sync_debug_mode('warn') over one step"})  # fmt: skip
+            if "probe" in e and compute is not None and n != "compute_only":
+                step_ms, busy_ms = e["probe"]
+                if busy_ms > 0:
+                    exposed = max(0.0, step_ms - compute)
+                    hidden = min(1.0, max(0.0, 1.0 - exposed / busy_ms))
+                    recs.append({**info, "metric": "hidden_fraction", "rank": 0, "unit": "ratio",
+                                 "value": hidden, "busy_ms": busy_ms, "probe_step_ms": step_ms,
+                                 "compute_only_ms": compute})  # fmt: skip
         else:
             recs.append({**info, "metric": "step_time", "rank": "max", "unit": "ms",
                          "value": None, "status": "numerics_failed: " + c["why"]})  # fmt: skip
@@ -434,14 +661,17 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
 
 def _config_of(name: str) -> dict:
     """The settings a method ran with (for the records)."""
-    if name in OURS or name in REDUCER:
+    fields = ours_fields(name)
+    if fields is not None:
         from verl_comm.compression.config import CompressionConfig
 
-        return CompressionConfig(**(OURS.get(name) or REDUCER[name])).model_dump()
-    if name.startswith("torch_powersgd_r"):
-        return {"matrix_approximation_rank": int(name.rsplit("r", 1)[1]),
-                "start_powerSGD_iter": 2, "min_compression_rate": 2,
-                "use_error_feedback": True, "warm_start": True}  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return CompressionConfig(**fields).model_dump()
+    r = _rank_of(name, "torch_powersgd_r")
+    if r is not None:
+        return {"matrix_approximation_rank": r, "start_powerSGD_iter": 2,
+                "min_compression_rate": 2, "use_error_feedback": True, "warm_start": True}  # fmt: skip
     return {}
 
 
@@ -455,83 +685,18 @@ def _write_part(args, recs: list[dict]) -> None:
 
 
 def merge_outputs(out: Path, recs: list[dict]) -> None:
-    """Write ``comm_hooks.jsonl`` (replacing records of the same transports) and ``.md``."""
+    """Append ``recs`` to ``comm_hooks.jsonl`` and regenerate ``comm_hooks.md`` from all."""
+    from comm_hooks_report import markdown
+
     out.mkdir(parents=True, exist_ok=True)
     jl = out / f"{BENCH}.jsonl"
-    mine = {r["transport"] for r in recs}
-    old = []
-    if jl.exists():
-        old = [json.loads(x) for x in jl.read_text().splitlines() if x.strip()]
-        old = [r for r in old if r.get("transport") not in mine]
-    allr = old + recs
-    jl.write_text("".join(json.dumps(r) + "\n" for r in allr))
+    with jl.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+    allr = [json.loads(x) for x in jl.read_text().splitlines() if x.strip()]
     (out / f"{BENCH}.md").write_text(markdown(allr))
 
 
-def markdown(recs: list[dict]) -> str:
-    """Markdown table per transport and the issue's targets as measured."""
-    lines = [f"# {BENCH}", ""]
-    if recs:
-        r0 = recs[0]
-        lines += [f"Workload: {r0['workload']}; {r0['device']}; warm-up {r0['warmup']}, "
-                  f"median over {r0['rounds']} rounds of the max across ranks. "
-                  f"Commit {r0['commit']}, {r0['date']}, versions {r0['versions']}.", ""]  # fmt: skip
-    for tr in sorted({r["transport"] for r in recs}):
-        rs = [r for r in recs if r["transport"] == tr]
-        t = {r["hook"]: r for r in rs if r["metric"] == "step_time" and r["rank"] == "max"}
-        wb = {r["hook"]: r for r in rs if r["metric"] == "wire_bytes_per_step"}
-        ef = {r["hook"]: r for r in rs if r["metric"] == "ef_state_bytes"}
-        none = (t.get("none") or {}).get("value")
-        lines += [f"## transport: {tr}", "",
-                  "| hook | step ms | vs none | wire MB/step/rank | EF state MB | rel err | numerics |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
-        for h, r in t.items():
-            v = r["value"]
-            rel = r.get("rel_error")
-            lines.append(
-                f"| {h} | {'-' if v is None else f'{v:.2f}'} | "
-                f"{'-' if v is None or not none else f'{v / none:.2f}x'} | "
-                f"{wb[h]['value'] / 1e6:.2f} ({wb[h]['source']}) | {ef[h]['value'] / 1e6:.1f} | "
-                f"{'-' if rel is None else f'{rel:.3g}'} | "
-                f"{'ok' if r['numerics_ok'] else r.get('status', 'FAILED')} |"
-            )
-        lines += [""] + _targets(tr, t, ef) + [""]
-    return "\n".join(lines) + "\n"
-
-
-def _targets(tr: str, t: dict, ef: dict) -> list[str]:
-    def ratio(a: str, b: str) -> float | None:
-        va, vb = (t.get(a) or {}).get("value"), (t.get(b) or {}).get("value")
-        return None if va is None or vb is None else va / vb
-
-    checks = []
-    if tr == "socket":
-        checks = [("ours_lowrank_int8_r128", "torch_powersgd_r128", 0.30),
-                  ("ours_lowrank_int8_r32", "torch_powersgd_r32", 0.45),
-                  ("ours_int8", "torch_bf16", 0.60)]  # fmt: skip
-    elif tr == "nvlink":
-        checks = [("ours_auto", "none", 1.05)]
-    out = []
-    for a, b, lim in checks:
-        r = ratio(a, b)
-        got = "not measured" if r is None else f"{r:.2f} ({'met' if r <= lim else 'MISSED'})"
-        out.append(f"- target {a} <= {lim} x {b}: {got}")
-    for h, r in ef.items():
-        if h.startswith("ours") and r["value"]:
-            ok = r["value"] <= r["grad_bytes_bf16"]
-            out.append(f"- target EF state {h} <= gradients in bf16: "
-                       f"{r['value'] / 1e6:.1f} MB vs {r['grad_bytes_bf16'] / 1e6:.1f} MB "
-                       f"({'met' if ok else 'MISSED'})")  # fmt: skip
-    return out
-
-
 # ---------------------------------------------------------------- launch
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _check_env(label: str) -> None:
     sock = all(os.environ.get(k) == v for k, v in SOCKET_ENV.items())
     if label == "socket" and not sock:
@@ -540,9 +705,22 @@ def _check_env(label: str) -> None:
         raise SystemExit("--transport nvlink: unset NCCL_P2P_DISABLE / NCCL_SHM_DISABLE")
 
 
+def _free_port() -> int:
+    try:
+        from verl_comm.distributed.launch import free_port
+    except ImportError:  # before the shared launcher module exists
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return free_port()
+
+
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Run the 2 ranks as subprocesses, once per transport label, and merge results."""
-    labels = [x for x in (args.transport or "nvlink,socket").split(",") if x]
+    """Run the ranks as subprocesses, once per transport label, and merge results."""
+    default = "local" if args.world == 1 else ("gloo" if args.cpu else "nvlink,socket")
+    labels = [x for x in (args.transport or default).split(",") if x]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     recs = []
@@ -557,7 +735,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         if label == "socket":
             env.update(SOCKET_ENV)
         part = out / f".{BENCH}.{label}.part"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv,
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--run-id", args.run_id,
                "--transport", label, "--part", str(part)]  # fmt: skip
         procs = [
             subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
@@ -592,21 +770,21 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:
         if args.part is None:  # torchrun: one label, checked against the environment
             if not args.transport or "," in args.transport:
-                raise SystemExit("under torchrun give one --transport label (nvlink or socket)")
-            if not args.smoke:
+                raise SystemExit("under torchrun give one --transport label (nvlink, socket, ...)")
+            if not args.smoke and args.transport in ("nvlink", "socket"):
                 _check_env(args.transport)
         worker(args)
         return 0
     clean = []
     skip = False
-    for a in argv:  # drop --transport/--part, the launcher sets them per pass
+    for a in argv:  # drop --transport/--part/--run-id, the launcher sets them per pass
         if skip:
             skip = False
             continue
-        if a in ("--transport", "--part"):
+        if a in ("--transport", "--part", "--run-id"):
             skip = True
             continue
-        if a.startswith(("--transport=", "--part=")):
+        if a.startswith(("--transport=", "--part=", "--run-id=")):
             continue
         clean.append(a)
     return launch(args, clean)
