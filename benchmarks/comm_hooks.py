@@ -179,6 +179,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link-mbit", type=float, default=None, help="shaped link rate (record)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even if CUDA is present")
     p.add_argument("--deadline-s", type=float, default=560.0, help="all passes together")
+    p.add_argument("--pg-timeout-s", type=float, default=300.0, help="process group timeout")
     p.add_argument("--run-id", default=None, help="shared by every record of this run")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # worker output file
     a = p.parse_args(argv)
@@ -513,7 +514,7 @@ def worker(args: argparse.Namespace) -> None:
         torch.set_num_threads(1)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
-        timeout=datetime.timedelta(seconds=300),
+        timeout=datetime.timedelta(seconds=args.pg_timeout_s),
         **({"device_id": device} if cuda else {}),
     )
     transport = args.transport

@@ -57,7 +57,7 @@ def _fmt(v, spec: str, none: str = "-") -> str:
 
 def run_table(rs: list[dict]) -> list[str]:
     """Markdown lines of one run: header, table, targets."""
-    r0 = rs[0]
+    r0 = next(r for r in rs if "workload" in r)
 
     def by(metric):
         return {r["hook"]: r for r in rs if r["metric"] == metric and r["rank"] in ("max", 0)}
@@ -92,7 +92,7 @@ def run_table(rs: list[dict]) -> list[str]:
             f"{_fmt((ef.get(h) or {}).get('value', 0) / 1e6, '.1f')} | "
             f"{_fmt((hid.get(h) or {}).get('value'), '.0%')} | "
             f"{_fmt(r.get('rel_error'), '.3g')}{' (f64 ref)' if r.get('reference', '').startswith('float64') else ''} | "
-            f"{'ok' if r['numerics_ok'] else r.get('status', 'FAILED')} |"
+            f"{'ok' if r.get('numerics_ok') else r.get('status', 'FAILED')} |"
         )  # fmt: skip
     lines += [""] + targets(rs, t, syncs, ef) + [""]
     return lines
@@ -100,7 +100,7 @@ def run_table(rs: list[dict]) -> list[str]:
 
 def targets(rs: list[dict], t: dict, syncs: dict, ef: dict) -> list[str]:
     """The run's targets as measured (met / missed / not measured)."""
-    kind = _kind(rs[0])
+    kind = _kind(next(r for r in rs if "workload" in r))
     out = []
     if kind == "world1" and syncs:
         ours = {h: r["value"] for h, r in syncs.items() if h.startswith(OURS_AND_REDUCER)}
@@ -149,7 +149,9 @@ def markdown(recs: list[dict]) -> str:
         "did not expose (CPU runs only).",
         "",
     ]
-    for _rid, rs in sorted(runs.items(), key=lambda kv: kv[1][0]["date"], reverse=True):
+    for _rid, rs in sorted(
+        runs.items(), key=lambda kv: max(r.get("date", "") for r in kv[1]), reverse=True
+    ):
         lines += run_table(rs)
     if legacy:
         lines += [f"{legacy} older records carry no `run_id` (issue 4's runs, where methods were "

@@ -131,9 +131,13 @@ class GradCommHandle:
             state.load_state_dict(sd["hook"])
 
     def detach(self) -> None:
-        """Remove the reducer and give the gradient reduction back to DeepSpeed."""
+        """Remove the reducer, stop its hook's communication worker and give the gradient
+        reduction back to DeepSpeed."""
         if self.reducer is not None:
             self.reducer.remove()
+            close = getattr(self.reducer.state, "close", None)
+            if callable(close):
+                close()
             self.reducer = None
             self.engine.enable_backward_allreduce = True
 
