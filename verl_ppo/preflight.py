@@ -12,7 +12,10 @@ mistake costs seconds, not a model load on every rank:
   the hybrid engine on, its heads, KV heads, intermediate size, vocabulary and layers
   against the training and rollout layouts (the same
   :func:`verl_ppo.reshard.engine.build_plan` checks the engine runs later);
-- ``comm.master_port``.
+- the communication setup: ``comm.backend`` against this machine, gradient compression
+  against each trained role's ZeRO stage (the hooks need stage 0 or 1,
+  :mod:`verl_ppo.grad_comm`), ``reward.model``'s spec, and that ``comm.master_port`` and
+  ``monitor.prometheus_port`` are free.
 
 Every failure is a :class:`PreflightError` whose message names the field and the fix.
 """
@@ -72,6 +75,42 @@ def check_hybrid_engine(cfg: PPOConfig, world_size: int, model_config: Any) -> N
         raise PreflightError(f"{prefix}{exc}") from None
 
 
+def check_comm(cfg: PPOConfig) -> None:
+    """Backend, compression vs ZeRO stage, reward spec (no process group needed).
+
+    Raises:
+        PreflightError: naming the field and the fix.
+    """
+    from pathlib import Path
+
+    from verl_ppo.distributed import resolve_backend
+    from verl_ppo.grad_comm import SUPPORTED_STAGES
+    from verl_ppo.reward.factory import SPECS
+
+    try:
+        resolve_backend(cfg.comm.backend)
+    except RuntimeError as exc:
+        raise PreflightError(str(exc)) from None
+    method = cfg.compression.gradient_compression
+    roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else [])
+    for role in roles:
+        stage = getattr(cfg, role).zero_stage
+        if method != "none" and stage not in SUPPORTED_STAGES:
+            raise PreflightError(
+                f"gradient_compression={method} needs {role}.zero_stage 0 or 1, got {stage}: "
+                "ZeRO-2/3 reduce-scatter each gradient inside their own backward hooks, "
+                f"leaving no full gradient to compress; set {role}.zero_stage=1, or "
+                "gradient_compression=none"
+            )
+    spec = cfg.reward.model
+    if not (
+        spec in ("rule", "minilm")
+        or spec.startswith(("http://", "https://"))
+        or Path(spec).is_dir()
+    ):
+        raise PreflightError(f"reward.model={spec!r} is not a reward model: use {SPECS}")
+
+
 def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
     """Every check a config file can fail, for a run of ``world_size`` ranks.
 
@@ -103,8 +142,14 @@ def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
     except (ModelStoreError, ValueError, OSError) as exc:
         raise PreflightError(f"model: {exc}") from None
     check_hybrid_engine(cfg, world_size, model_config)
-    if check_port and cfg.comm.master_port:
-        try:
-            check_port_free(cfg.comm.master_port)
-        except OSError as exc:
-            raise PreflightError(str(exc)) from None
+    check_comm(cfg)
+    ports = [
+        ("comm.master_port", cfg.comm.master_port if check_port else None, "127.0.0.1"),
+        ("monitor.prometheus_port", cfg.monitor.prometheus_port, cfg.monitor.prometheus_host),
+    ]
+    for key, port, host in ports:
+        if port:
+            try:
+                check_port_free(port, host)
+            except OSError as exc:
+                raise PreflightError(str(exc).replace("comm.master_port", key)) from None

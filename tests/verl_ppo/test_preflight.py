@@ -72,3 +72,24 @@ def test_cli_fails_in_the_launcher_once(tmp_path, override, message):
     assert "[rank" not in r.stderr and "Traceback" not in r.stderr  # no rank ever started
     assert time.monotonic() - t0 < 90
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_compression_backend_reward_and_ports(tmp_path):
+    import socket
+
+    cfg = build_config({"gradient_compression": "int8", "actor": {"zero_stage": 2}})
+    with pytest.raises(PreflightError, match="needs actor.zero_stage 0 or 1, got 2"):
+        preflight(cfg, 2)
+    cfg = build_config({"gradient_compression": "int8", "critic": {"zero_stage": 3}})
+    with pytest.raises(PreflightError, match="needs critic.zero_stage 0 or 1, got 3"):
+        preflight(cfg, 2)
+    with pytest.raises(PreflightError, match="comm.backend=nccl needs CUDA"):
+        preflight(build_config({"comm": {"backend": "nccl"}}), 2)
+    with pytest.raises(PreflightError, match=r"reward.model='nope' is not a reward model"):
+        preflight(build_config({"reward": {"model": "nope"}}), 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(PreflightError, match=f"port {port} .* set monitor.prometheus_port"):
+            preflight(build_config({"monitor": {"prometheus_port": port}}), 2)
