@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 
+from verl_ppo.model_dims import LLAMA_FAMILY, ModelDims, model_dims  # noqa: F401 (re-exported)
 from verl_ppo.reshard.layout import ParallelLayout, stage_layer_range
 
 Box = tuple[tuple[int, int], ...]
 """Half-open index ranges, one ``(start, stop)`` per dim of the global tensor."""
-
-LLAMA_FAMILY = ("llama", "qwen2", "mistral")
 
 
 @dataclass(frozen=True)
@@ -95,21 +94,6 @@ class Shard:
     pieces: tuple[Piece, ...]
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    """The shape numbers validation needs, read once from an HF-style config."""
-
-    model_type: str
-    num_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    tied: bool
-
-
 def box_shape(box: Box) -> tuple[int, ...]:
     """Extent of ``box`` per dim."""
     return tuple(b - a for a, b in box)
@@ -133,42 +117,6 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= s
     return tuple(reversed(strides))
-
-
-def model_dims(config: Any) -> ModelDims:
-    """Read dims from a ``transformers.PretrainedConfig`` (or any object with the same
-    attribute names; the GPU benchmark passes a ``SimpleNamespace``).
-
-    Raises:
-        ValueError: unsupported ``model_type``.
-    """
-    mt = getattr(config, "model_type", "")
-    tied = bool(getattr(config, "tie_word_embeddings", True))
-    if mt in LLAMA_FAMILY:
-        heads = config.num_attention_heads
-        hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        return ModelDims(
-            mt,
-            config.num_hidden_layers,
-            heads,
-            kv,
-            hd,
-            config.hidden_size,
-            config.intermediate_size,
-            config.vocab_size,
-            tied,
-        )
-    if mt == "gpt2":
-        heads, h = config.n_head, config.n_embd
-        inner = getattr(config, "n_inner", None) or 4 * h
-        return ModelDims(
-            mt, config.n_layer, heads, heads, h // heads, h, inner, config.vocab_size, tied
-        )
-    raise ValueError(
-        f"model_type {mt!r} is not supported by the resharding engine; "
-        f"supported: {', '.join(LLAMA_FAMILY)}, gpt2"
-    )
 
 
 def _spec(name, shape, split, dim, comps, owner, layer=None) -> ParamSpec:
