@@ -49,7 +49,7 @@ def _both(m, dec, ids, mask, sample: bool, eos: int, n: int = 10):
     return a, b
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_static_cache_matches_generate_greedy_and_sampled(model_type):
     m = _model(model_type)
     ids, mask = _prompts()
@@ -118,11 +118,8 @@ def test_errors_are_clear():
         dec.generate(ids, mask, max_new_tokens=5, eos_token_id=1, pad_token_id=0)
     with pytest.raises(ValueError, match="prompt_len"):
         dec.generate(ids, mask[:, 1:], max_new_tokens=1, eos_token_id=1, pad_token_id=0)
-    gpt2 = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=20)
-    )
     with pytest.raises(ValueError, match="use_cuda_graph=false"):
-        StaticCacheDecoder(gpt2, max_seq_len=8, use_cuda_graph=False)
+        StaticCacheDecoder(_model("qwen3"), max_seq_len=8, use_cuda_graph=False)
     if not CUDA:
         with pytest.raises(RuntimeError, match="needs CUDA"):
             StaticCacheDecoder(m, max_seq_len=8, use_cuda_graph=True)

@@ -1,119 +1,280 @@
-"""Sampling with a KV cache on a HF causal LM (the rollout when the hybrid engine is off).
+"""The rollout generator interface and its one decode loop; the HF eager generator.
 
-Contract shared with the tensor-parallel rollout model: left-padded prompts in,
-``(B, P + R)`` sequences out (prompt, then response right-padded with ``pad_token_id``
-after EOS). Sampling draws from an explicit ``torch.Generator`` so a run is reproducible.
+Every generator (:class:`HFGenerator` here, the static-KV-cache decoder with or without
+CUDA graphs in :mod:`verl_ppo.rollout.cuda_graph`, the tensor-parallel rollout model in
+:mod:`verl_ppo.rollout.tp_generate`) has the same contract:
+
+- ``rollout(input_ids, attention_mask, *, max_new_tokens, eos_token_id, pad_token_id,
+  params, generator) -> RolloutOutput``; ``generate(...)`` returns only the sequences;
+- LEFT-padded prompts ``(B, P)`` in, ``(B, P + R)`` out: prompt, then the response,
+  right-padded with ``pad_token_id`` after its first EOS; ``R <= max_new_tokens`` (the loop
+  stops at the step where every row is done);
+- tokens drawn by :func:`verl_ppo.rollout.sampler.sample_next` with the caller's
+  ``torch.Generator``, in one loop (:func:`decode_loop`): the generators differ only in
+  how they compute next-token logits (``prefill`` and ``step``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
 from verl_ppo.compat import CACHE_KWARG
+from verl_ppo.rollout.sampler import SamplingParams, filter_logits, sample_next
+
+__all__ = [
+    "HFGenerator",
+    "RolloutGenerator",
+    "RolloutOutput",
+    "SamplingParams",
+    "decode_loop",
+    "filter_logits",
+    "generate",
+    "response_mask_from",
+]
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k then nucleus (top-p) filtering of ``logits (B, V)``; removed entries -> -inf."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1, None]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        remove = probs.cumsum(-1) - probs > top_p
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    return logits
+@dataclass
+class RolloutOutput:
+    """What a generator returns.
+
+    Attributes:
+        sequences: ``(B, P + R)`` int64, prompt then response (pad after EOS).
+        log_probs: ``(B, R)`` float32, ``log_softmax(logits / T)`` of each sampled token
+            (0 after EOS), as :func:`verl_ppo.rollout.sampler.sample_next` computes it.
+    """
+
+    sequences: torch.Tensor
+    log_probs: torch.Tensor
 
 
-def sample_next(
-    logits: torch.Tensor,
-    do_sample: bool,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """Pick the next token ``(B,)`` int64 from ``logits (B, V)`` (greedy or sampled)."""
-    if not do_sample:
-        return logits.argmax(-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+class RolloutGenerator(Protocol):
+    """The interface the trainer calls (see module docstring)."""
+
+    def rollout(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        eos_token_id: int | list[int] | None,
+        pad_token_id: int | None,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> RolloutOutput:
+        """Sample responses; see :func:`decode_loop`."""
+        ...
 
 
-@torch.no_grad()
+def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """Raise ValueError unless both are ``(batch, prompt_len)`` of one shape."""
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)} must both be (batch, prompt_len)"
+        )
+
+
+def eos_list(eos_token_id: int | list[int] | None) -> list[int]:
+    """EOS ids as a list (None = no EOS; negative ids never match)."""
+    if eos_token_id is None:
+        return []
+    return [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+
+def decode_loop(
+    prefill: Callable[[], torch.Tensor],
+    step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None,
+    pad_token_id: int | None,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    pick: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    sync_every: int = 8,
+) -> RolloutOutput:
+    """The decode loop every generator shares.
+
+    Args:
+        prefill: ``() -> (B, V)`` logits after the prompt.
+        step: ``(tokens (B,), positions (B,), t) -> (B, V)`` logits after feeding ``tokens``
+            at ``positions``; ``t`` is the response step (cache slot ``P + t``).
+        input_ids, attention_mask: ``(B, P)`` left-padded prompts.
+        max_new_tokens: ``R_max >= 1``.
+        eos_token_id: int, list or None; a row is done after emitting one.
+        pad_token_id: fills rows after EOS (None: the first EOS id, else 0).
+        params, generator: passed to :func:`sample_next`.
+        pick: replaces ``sample_next(logits, params, generator)`` (the TP path samples on
+            one member and broadcasts).
+        sync_every: steps between host checks of "every row done" (each a device sync);
+            the result is trimmed to the step where all were done, so it does not change.
+
+    Returns:
+        :class:`RolloutOutput`.
+
+    Raises:
+        ValueError: bad shapes or ``max_new_tokens < 1``.
+    """
+    check_prompts(input_ids, attention_mask)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    eos = eos_list(eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    if pick is None:
+
+        def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return sample_next(logits, params, generator)
+
+    B, dev = input_ids.shape[0], input_ids.device
+    eos_t = torch.tensor(eos, dtype=torch.long, device=dev)
+    next_pos = attention_mask.long().sum(-1)  # positions count real tokens only
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    tokens, logps = [], []
+    logits = prefill()
+    for t in range(max_new_tokens):
+        tok, lp = pick(logits)
+        tok = torch.where(done, torch.full_like(tok, pad), tok)
+        logps.append(torch.where(done, torch.zeros_like(lp), lp))
+        tokens.append(tok)
+        if eos:
+            done = done | torch.isin(tok, eos_t)
+        if t == max_new_tokens - 1:
+            break
+        if eos and (t + 1) % max(sync_every, 1) == 0 and bool(done.all()):
+            break
+        logits = step(tok, next_pos, t)
+        next_pos = next_pos + 1
+    out, lps = torch.stack(tokens, 1), torch.stack(logps, 1)
+    if eos:  # trim to the first step at which every row was done
+        is_eos = torch.isin(out, eos_t)
+        if bool(is_eos.any(-1).all()):
+            n = int(is_eos.long().argmax(-1).max()) + 1
+            out, lps = out[:, :n], lps[:, :n]
+    return RolloutOutput(torch.cat([input_ids, out.to(input_ids.dtype)], 1), lps)
+
+
+class HFGenerator:
+    """Eager decoding through the HF model's own forward with its dynamic KV cache.
+
+    The path for every model type (and the CPU default): no hand-written forward.
+
+    Args:
+        model: a HF causal LM (``forward(input_ids, attention_mask, position_ids,
+            past_key_values, use_cache)`` returning ``logits`` and ``past_key_values``),
+            or a DeepSpeed engine around one.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def rollout(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        eos_token_id: int | list[int] | None,
+        pad_token_id: int | None,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        sync_every: int = 1,
+    ) -> RolloutOutput:
+        """See :func:`decode_loop`."""
+        check_prompts(input_ids, attention_mask)
+        state: dict = {"mask": attention_mask.long()}
+
+        def prefill() -> torch.Tensor:
+            mask = state["mask"]
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+                use_cache=True,
+            )
+            state["past"] = out.past_key_values
+            return out.logits[:, -1, :]
+
+        def step(tok: torch.Tensor, pos: torch.Tensor, t: int) -> torch.Tensor:
+            mask = state["mask"]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=pos[:, None],
+                use_cache=True,
+                **{CACHE_KWARG: state["past"]},
+            )
+            state["mask"], state["past"] = mask, out.past_key_values
+            return out.logits[:, -1, :]
+
+        try:
+            return decode_loop(
+                prefill,
+                step,
+                input_ids,
+                attention_mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+                params=params,
+                generator=generator,
+                sync_every=sync_every,
+            )
+        finally:
+            state.clear()  # free the KV cache now
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kw) -> torch.Tensor:
+        """:meth:`rollout` without the log-probs (keyword arguments of :func:`generate`)."""
+        return self.rollout(input_ids, attention_mask, **sampling_kwargs(kw)).sequences
+
+
+def sampling_kwargs(kw: dict) -> dict:
+    """Fold ``do_sample, temperature, top_p, top_k`` keywords into ``params``."""
+    kw = dict(kw)
+    names = ("do_sample", "temperature", "top_k", "top_p")
+    if "params" not in kw:
+        kw["params"] = SamplingParams(**{n: kw.pop(n) for n in names if n in kw})
+    return kw
+
+
 def generate(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     *,
     max_new_tokens: int,
-    eos_token_id: int,
-    pad_token_id: int,
+    eos_token_id: int | list[int] | None,
+    pad_token_id: int | None,
     do_sample: bool = True,
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Autoregressive generation with a KV cache.
-
-    Args:
-        model: a HF causal LM (``forward(input_ids, attention_mask, position_ids,
-            past_key_values, use_cache)`` returning ``logits`` and ``past_key_values``).
-        input_ids: ``(B, P)`` int64, LEFT-padded prompts.
-        attention_mask: ``(B, P)`` int64/bool, 0 on left padding.
-        max_new_tokens: response length limit R_max.
-        eos_token_id, pad_token_id: a sequence is done after it emits EOS; later
-            positions are filled with ``pad_token_id``.
-        generator: RNG for sampling (on the logits' device).
-
-    Returns:
-        ``(B, P + R)`` int64 with ``R <= max_new_tokens`` (stops when all are done).
+    """Sequences ``(B, P + R)`` int64 of :class:`HFGenerator` (see :func:`decode_loop`).
 
     Raises:
         ValueError: shapes of ``input_ids`` and ``attention_mask`` differ.
     """
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and attention_mask "
-            f"{tuple(attention_mask.shape)} must both be (batch, prompt_len)"
-        )
-    B = input_ids.shape[0]
-    mask = attention_mask.long()
-    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=position_ids,
-        use_cache=True,
+    return HFGenerator(model).generate(
+        input_ids,
+        attention_mask,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        generator=generator,
     )
-    past = out.past_key_values
-    logits = out.logits[:, -1, :]
-    next_pos = position_ids[:, -1] + 1
-    done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    tokens = []
-    for step in range(max_new_tokens):
-        nxt = sample_next(logits, do_sample, temperature, top_k, top_p, generator)
-        nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
-        tokens.append(nxt)
-        done = done | (nxt == eos_token_id)
-        if bool(done.all()) or step == max_new_tokens - 1:
-            break
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=mask.device)], dim=1)
-        out = model(
-            input_ids=nxt[:, None],
-            attention_mask=mask,
-            position_ids=next_pos[:, None],
-            use_cache=True,
-            **{CACHE_KWARG: past},
-        )
-        past = out.past_key_values
-        logits = out.logits[:, -1, :]
-        next_pos = next_pos + 1
-    del past
-    return torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
 
 
 def response_mask_from(

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_ppo.reshard.specs import LLAMA_FAMILY, model_dims
+from verl_ppo.model_dims import LLAMA_FAMILY, model_dims
 
 
 @dataclass
@@ -117,7 +117,12 @@ def _rope_theta(config: Any) -> float:
 
 
 class KVCache:
-    """Preallocated keys/values per layer: ``(batch, local_kv_heads, max_len, head_dim)``."""
+    """A static KV cache: per layer ``(batch, local_kv_heads, max_len, head_dim)``.
+
+    Slots are written in place (``index_copy_`` at a slot tensor) and attention reads all
+    ``max_len`` slots under a boolean key mask, so shapes and addresses never change: the
+    decode step can be captured as a CUDA graph (:mod:`verl_ppo.rollout.cuda_graph`).
+    """
 
     def __init__(
         self, layers: int, batch: int, heads: int, max_len: int, head_dim: int, dtype, device
@@ -125,7 +130,7 @@ class KVCache:
         shape = (batch, heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.length = 0
+        self.max_len = max_len
 
     @property
     def nbytes(self) -> int:
@@ -198,21 +203,25 @@ class TPCausalLM:
         x = x.masked_fill(outside[..., None], 0.0)
         return self.tp.all_reduce(x)
 
-    def _attend(self, q, k, v, layer: int, cache: KVCache, mask: torch.Tensor) -> torch.Tensor:
-        t0, t1 = cache.length, cache.length + q.shape[2]
-        cache.k[layer][:, :, t0:t1] = k
-        cache.v[layer][:, :, t0:t1] = v
-        keys, vals = cache.k[layer][:, :, :t1], cache.v[layer][:, :, :t1]
-        if self.nq != self.nkv:
-            keys = keys.repeat_interleave(self.nq // self.nkv, dim=1)
-            vals = vals.repeat_interleave(self.nq // self.nkv, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, keys, vals, attn_mask=mask, scale=1.0 / math.sqrt(self.dims.head_dim)
-        )
-        b, _, t, _ = out.shape
-        return out.transpose(1, 2).reshape(b, t, self.nq * self.dims.head_dim)
+    def _attend(self, q, k, v, layer: int, cache: KVCache, mask, slots) -> torch.Tensor:
+        """Write ``k, v (B, nkv, T, D)`` at cache ``slots (T,)``, attend over every slot.
 
-    def _llama_layer(self, i: int, x, cos, sin, cache, mask):
+        Grouped-query heads without copying the cache: the ``G`` query heads of a KV head
+        become ``G * T`` query rows of that head (the mask is repeated to match).
+        """
+        cache.k[layer].index_copy_(2, slots, k)
+        cache.v[layer].index_copy_(2, slots, v)
+        b, _, t, hd = q.shape
+        g = self.nq // self.nkv
+        qg = q.reshape(b, self.nkv, g * t, hd)
+        if g > 1 and t > 1:
+            mask = mask[:, :, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)
+        out = F.scaled_dot_product_attention(
+            qg, cache.k[layer], cache.v[layer], attn_mask=mask, scale=1.0 / math.sqrt(hd)
+        )
+        return out.view(b, self.nq, t, hd).transpose(1, 2).reshape(b, t, self.nq * hd)
+
+    def _llama_layer(self, i: int, x, cos, sin, cache, mask, slots):
         w, p, hd = self.w, f"model.layers.{i}.", self.dims.head_dim
         b, t, _ = x.shape
         h = _rms_norm(x, w[p + "input_layernorm.weight"], self.eps)
@@ -225,7 +234,7 @@ class TPCausalLM:
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
         o = self.tp.all_reduce(
-            F.linear(self._attend(q, k, v, i, cache, mask), w[p + "self_attn.o_proj.weight"])
+            F.linear(self._attend(q, k, v, i, cache, mask, slots), w[p + "self_attn.o_proj.weight"])
         )
         if p + "self_attn.o_proj.bias" in w:
             o = o + w[p + "self_attn.o_proj.bias"]
@@ -238,7 +247,7 @@ class TPCausalLM:
             m = m + w[p + "mlp.down_proj.bias"]
         return x + m
 
-    def _gpt2_layer(self, i: int, x, cache, mask):
+    def _gpt2_layer(self, i: int, x, cache, mask, slots):
         w, p, hd = self.w, f"transformer.h.{i}.", self.dims.head_dim
         b, t, hidden = x.shape
         h = F.layer_norm(x, (hidden,), w[p + "ln_1.weight"], w[p + "ln_1.bias"], self.eps)
@@ -247,7 +256,7 @@ class TPCausalLM:
         )
         q, k, v = qkv.view(b, t, 3 * self.nq * hd).split(self.nq * hd, dim=2)
         q, k, v = (z.view(b, t, self.nq, hd).transpose(1, 2) for z in (q, k, v))
-        a = self._attend(q, k, v, i, cache, mask)
+        a = self._attend(q, k, v, i, cache, mask, slots)
         o = (
             self.tp.all_reduce(a.view(-1, a.shape[-1]) @ w[p + "attn.c_proj.weight"])
             + w[p + "attn.c_proj.bias"]
@@ -262,19 +271,26 @@ class TPCausalLM:
 
     @torch.no_grad()
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        mask: torch.Tensor,
+        slots: torch.Tensor,
     ) -> torch.Tensor:
-        """Run ``ids`` through the model, appending to ``cache``; return full-vocabulary
-        logits of the last position.
+        """Run ``ids`` through the model, writing their keys/values at cache ``slots``;
+        return the full-vocabulary logits of the last position.
 
         Args:
             ids: ``(batch, T)`` int64 token ids.
             positions: ``(batch, T)`` int64 position ids.
-            cache: KV cache holding ``cache.length`` earlier positions (advanced by T).
-            mask: ``(batch, 1, T, cache.length + T)`` bool, True = may attend.
+            cache: the :class:`KVCache` (``S = cache.max_len`` slots).
+            mask: ``(batch, 1, T, S)`` bool (or ``(batch, 1, 1, S)`` for ``T = 1``),
+                True = may attend; every query must see at least one slot.
+            slots: ``(T,)`` int64 cache slots of the ``T`` new positions.
 
         Returns:
-            ``(batch, vocab)`` logits in fp32, identical on every TP member.
+            ``(batch, vocab)`` logits in the weights' dtype, identical on every TP member.
         """
         x = self._embed(ids)
         if self.llama:
@@ -282,12 +298,12 @@ class TPCausalLM:
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
             for i in range(self.dims.num_layers):
-                x = self._llama_layer(i, x, cos, sin, cache, mask)
+                x = self._llama_layer(i, x, cos, sin, cache, mask, slots)
             x = _rms_norm(x[:, -1], self.w["model.norm.weight"], self.eps)
         else:
             x = x + F.embedding(positions, self.w["transformer.wpe.weight"])
             for i in range(self.dims.num_layers):
-                x = self._gpt2_layer(i, x, cache, mask)
+                x = self._gpt2_layer(i, x, cache, mask, slots)
             hdim = x.shape[-1]
             x = F.layer_norm(
                 x[:, -1],
@@ -296,5 +312,8 @@ class TPCausalLM:
                 self.w["transformer.ln_f.bias"],
                 self.eps,
             )
-        cache.length += ids.shape[1]
-        return self.tp.gather_last_dim(F.linear(x, self.head)).float()
+        return self.tp.gather_last_dim(F.linear(x, self.head))
+
+    def param_ptrs(self) -> tuple[int, ...]:
+        """Addresses of every weight (a captured CUDA graph is valid while they hold)."""
+        return tuple(t.data_ptr() for t in self.w.values())

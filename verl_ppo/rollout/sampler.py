@@ -1,0 +1,112 @@
+"""The one sampler every rollout path draws its tokens with (HF eager, static cache with or
+without CUDA graphs, tensor-parallel).
+
+Filtering follows HF's logits warpers (``transformers.generation.logits_process``:
+``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` with
+``min_tokens_to_keep=1``), applied in that order; the draw is one
+``torch.multinomial(probs, 1, generator=...)``. Same logits and same generator state in,
+same tokens out, whichever path calls it (``tests/verl_ppo/test_rollout_paths.py``).
+
+Besides the token the sampler returns its log-probability under the temperature-scaled,
+unfiltered distribution, ``log_softmax(logits / T)[token]``: the quantity the actor's
+``old_log_prob`` forward computes (see :mod:`verl_ppo.roles.common`), so a rollout can hand
+it over instead of a second forward (``actor.old_log_prob: auto``, bypass mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is picked.
+
+    Attributes:
+        do_sample: False = greedy (argmax of the raw logits).
+        temperature: > 0; logits are divided by it before filtering and sampling.
+        top_k: keep the ``top_k`` largest logits; 0 = off.
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p``
+            (at least one); 1.0 = off.
+
+    Raises:
+        ValueError: temperature <= 0, top_k < 0 or top_p outside (0, 1].
+    """
+
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"need top_k >= 0 and 0 < top_p <= 1, got top_k={self.top_k}, top_p={self.top_p}"
+            )
+
+
+def filter_logits(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Temperature, top-k, then top-p (nucleus) filtering, as HF's warpers do.
+
+    Args:
+        logits: ``(batch, vocab)``, any float dtype (computed in fp32).
+        temperature: > 0. top_k: 0 = off. top_p: 1.0 = off.
+
+    Returns:
+        ``(batch, vocab)`` fp32, ``logits / temperature`` with filtered entries at ``-inf``.
+
+    Raises:
+        ValueError: as :class:`SamplingParams`.
+    """
+    SamplingParams(True, temperature, top_k, top_p)
+    x = logits.float() / temperature if temperature != 1.0 else logits.float()
+    return _filter(x, top_k, top_p)
+
+
+def _filter(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, idx = torch.sort(x, descending=False)
+        remove = sorted_x.softmax(-1).cumsum(-1) <= (1 - top_p)
+        remove[..., -1:] = False  # always keep the most likely token
+        x = x.masked_fill(remove.scatter(1, idx, remove), float("-inf"))
+    return x
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the next token of every row.
+
+    Args:
+        logits: ``(batch, vocab)`` next-token logits (any float dtype).
+        params: the :class:`SamplingParams`.
+        generator: RNG of the draw; may live on another device than ``logits`` (the draw
+            then happens there, so CPU and CUDA callers can share one seed).
+
+    Returns:
+        ``(tokens (batch,) int64, log_probs (batch,) float32)``; ``log_probs`` is
+        ``log_softmax(logits / temperature)[token]`` (unfiltered).
+    """
+    z = logits.float()
+    if params.temperature != 1.0:
+        z = z / params.temperature
+    if not params.do_sample:
+        tok = logits.argmax(-1)
+    else:
+        probs = _filter(z, params.top_k, params.top_p).softmax(-1)
+        if generator is not None and generator.device != probs.device:
+            tok = torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
+        else:
+            tok = torch.multinomial(probs, 1, generator=generator)
+        tok = tok.squeeze(-1)
+    logp = z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return tok, logp
