@@ -154,6 +154,7 @@ def packed_log_probs(
     prompt_len: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Packed drop-in for :func:`verl_ppo.roles.common.sequence_log_probs`.
 
@@ -164,6 +165,7 @@ def packed_log_probs(
         prompt_len: ``P`` (``>= 1``).
         temperature: the sampling temperature.
         with_entropy: also return the entropy of each predicting distribution.
+        fused: the chunked LM head of :mod:`verl_ppo.roles.fused_head` on the kept positions.
 
     Returns:
         ``(log_prob (B, R) float32, entropy (B, R) float32 or None)``. Equal to the padded
@@ -181,29 +183,43 @@ def packed_log_probs(
     keep = pred_flat[pb.src_index].nonzero().squeeze(-1)  # packed positions that predict
     src = pb.src_index[keep]  # their flat (b*L + l) index; the target is at src + 1
     targets = input_ids.reshape(-1)[src + 1]
-    out = model(
-        input_ids=pb.input_ids,
-        position_ids=pb.position_ids,
-        attention_mask=None,
-        use_cache=False,
-        logits_to_keep=keep,
-    )
-    logits = out.logits[0].float()  # (K, V)
-    if logits.shape[0] != keep.numel():
-        raise RuntimeError(
-            f"model returned {logits.shape[0]} logits for {keep.numel()} kept positions: "
-            "it does not honour logits_to_keep as an index tensor"
+    if fused:
+        from verl_ppo.roles.fused_head import chunked_head_log_probs, decoder_of, head_weight
+
+        h = decoder_of(model)(
+            input_ids=pb.input_ids,
+            position_ids=pb.position_ids,
+            attention_mask=None,
+            use_cache=False,
+        ).last_hidden_state[0, keep]
+        logp, ent_k = chunked_head_log_probs(
+            h, head_weight(model), targets, temperature, with_entropy
         )
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    else:
+        out = model(
+            input_ids=pb.input_ids,
+            position_ids=pb.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            logits_to_keep=keep,
+        )
+        logits = out.logits[0].float()  # (K, V)
+        if logits.shape[0] != keep.numel():
+            raise RuntimeError(
+                f"model returned {logits.shape[0]} logits for {keep.numel()} kept positions: "
+                "it does not honour logits_to_keep as an index tensor"
+            )
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+        ent_k = entropy_from_logits(logits) if with_entropy else None
     B = input_ids.shape[0]
 
     def to_response(x: torch.Tensor) -> torch.Tensor:
         full = x.new_zeros(B * L).index_put((src,), x).view(B, L)
         return full[:, prompt_len - 1 : -1]
 
-    ent = to_response(entropy_from_logits(logits)) if with_entropy else None
+    ent = to_response(ent_k) if ent_k is not None else None
     return to_response(logp), ent
 
 

@@ -23,6 +23,7 @@ def sequence_log_probs(
     prompt_len: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of the response tokens under ``model``.
 
@@ -30,14 +31,38 @@ def sequence_log_probs(
         input_ids, attention_mask: ``(B, P + R)``.
         prompt_len: ``P``; the logits at positions ``P-1 .. P+R-2`` predict the response.
         temperature: the sampling temperature (log-probs of the distribution sampled from).
+        fused: run the LM head through :func:`verl_ppo.roles.fused_head.chunked_head_log_probs`
+            on the positions that predict a valid response token only (no ``(B, L, V)``
+            fp32 logits); the model must pass :func:`~verl_ppo.roles.fused_head.head_weight`.
 
     Returns:
-        ``(log_prob (B, R) float32, entropy (B, R) float32 or None)``.
+        ``(log_prob (B, R) float32, entropy (B, R) float32 or None)``; with ``fused``, 0 at
+        padded response positions (callers mask them).
     """
+    pos = position_ids_from(attention_mask)
+    if fused:
+        from verl_ppo.roles.fused_head import chunked_head_log_probs, decoder_of, head_weight
+
+        h = decoder_of(model)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False
+        ).last_hidden_state[:, prompt_len - 1 : -1]
+        valid = attention_mask[:, prompt_len:].bool()
+        idx = valid.reshape(-1).nonzero().squeeze(-1)
+        targets = input_ids[:, prompt_len:].reshape(-1)[idx]
+        hs = h.reshape(-1, h.shape[-1])[idx]
+        logp, ent = chunked_head_log_probs(
+            hs, head_weight(model), targets, temperature, with_entropy
+        )
+        B, R = valid.shape
+
+        def back(x: torch.Tensor) -> torch.Tensor:
+            return x.new_zeros(B * R).index_put((idx,), x).view(B, R)
+
+        return back(logp), (back(ent) if ent is not None else None)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from(attention_mask),
+        position_ids=pos,
         use_cache=False,
     )
     logits = out.logits[:, prompt_len - 1 : -1, :].float()
@@ -49,13 +74,16 @@ def sequence_log_probs(
     return logp, ent
 
 
-def log_prob_fn(packing: bool):
-    """``sequence_log_probs`` or its packed equivalent (same signature and result)."""
+def log_prob_fn(packing: bool, fused: bool = False):
+    """``sequence_log_probs`` or its packed equivalent (same signature and result), with
+    the fused LM head when ``fused``."""
+    import functools
+
     if packing:
         from verl_ppo.packing import packed_log_probs
 
-        return packed_log_probs
-    return sequence_log_probs
+        return functools.partial(packed_log_probs, fused=fused)
+    return functools.partial(sequence_log_probs, fused=fused)
 
 
 def micro_batches(exp, micro_batch_size: int, max_tokens: int | None, packing: bool, group=None):
