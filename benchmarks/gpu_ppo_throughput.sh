@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# PPO throughput on 2 GPUs, ours (verl_ppo) vs TRL's PPO trainer (issue 8), ~3-5 min on 2 x H200.
+# PPO throughput, ours (verl_ppo) vs TRL's PPO trainer (issues 8, 15), ~4-6 min on 1 or 2 x H200.
 #
 # Usage, from the repository root (or anywhere), with .whl/ carried along:
 #   bash benchmarks/gpu_ppo_throughput.sh OUTDIR
 # Needs in .whl/ (git-ignored; prepared on the CPU machine):
 #   bash ../shared/gpu/fetch-wheels.sh trl==1.12.0 accelerate==1.15.0
 #   python benchmarks/ppo_throughput.py --export-tokenizer .whl/tok   # config.json + tokenizer
-# Runs, each a 2-process torchrun launch (NCCL, bf16, one GPU per rank), Qwen2.5-0.5B shape
-# with random weights, 256-token prompts + 256-token responses, 128 sequences per step:
-#   1. verl_ppo, default settings: 1 warm-up + 3 timed steps
-#   2. trl_ppo (trl 1.12.0, the last release with trl.experimental.ppo): same
-#   3. optional: verl_ppo variants given as VARIANTS="key=value[,key=value] ..." (each a run)
-#   4. the markdown report and the speedup record (target: ours >= 2.3 x TRL)
+# Runs, each an NPROC-process torchrun launch (default: every GPU, at most 2; NCCL, bf16, one
+# GPU per rank), Qwen2.5-0.5B shape with random weights, 256-token prompts + 256-token
+# responses, 128 sequences per step, all records under one run_id ($RUN_ID, default a UTC stamp):
+#   1. verl_ppo, default settings: 1 warm-up + 3 timed steps (numerics checked first)
+#   2. trl_ppo (trl 1.12.0, the last release with trl.experimental.ppo): same (SKIP_TRL=1: not)
+#   3. optional: named verl_ppo variants, VARIANTS="name:key=value[,key=value] ..." (each a run)
+#   4. the markdown report and the speedup record (target: ours >= 3 x TRL)
 # Writes 3 files to OUTDIR: ppo_throughput.jsonl, ppo_throughput.md, ppo_throughput.log.
 # Exit status: non-zero if any run failed (the others still run).
 # Dry run of the plumbing on a CPU machine (gloo, tiny model; wheels already on PYTHONPATH):
@@ -27,6 +28,9 @@ export VERL_COMMIT=${VERL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || ec
 PY=${PYTHON:-python3}
 TOK=${TOK_DIR:-.whl/tok}
 STEPS=${STEPS:-3}
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+NPROC=${NPROC:-$((NGPU < 2 ? (NGPU < 1 ? 1 : NGPU) : 2))}
+export VERL_RUN_ID=${RUN_ID:-$(date -u +%Y%m%dT%H%M%SZ)}
 WARMUP=${WARMUP:-1}
 LOG="$OUT/ppo_throughput.log"
 : > "$LOG"
@@ -56,11 +60,13 @@ fi
   say "#   python benchmarks/ppo_throughput.py --export-tokenizer .whl/tok  (CPU machine), carry .whl"
   exit 1
 }
-DRY=$DRY $PY - <<'EOF' 2>&1 | tee -a "$LOG"
+say "# run_id $VERL_RUN_ID, $NPROC process(es)"
+DRY=$DRY NPROC=$NPROC $PY - <<'EOF' 2>&1 | tee -a "$LOG"
 import importlib.metadata as md, os, torch
 if os.environ["DRY"] != "1":
-    assert torch.cuda.device_count() >= 2, f"need 2 GPUs, found {torch.cuda.device_count()}"
-    print("# GPUs:", [torch.cuda.get_device_name(i) for i in range(2)])
+    n = int(os.environ["NPROC"])
+    assert torch.cuda.device_count() >= n, f"need {n} GPUs, found {torch.cuda.device_count()}"
+    print("# GPUs:", [torch.cuda.get_device_name(i) for i in range(n)])
 print("# torch", torch.__version__)
 for p in ("transformers", "deepspeed", "trl", "accelerate", "pydantic"):
     try:
@@ -76,7 +82,7 @@ bench() {  # bench LABEL TIMEOUT_S ARGS...
   say ""
   say "########## $label  $(date -u +%H:%M:%S)"
   local t0=$SECONDS
-  timeout -k 10 "$limit" $PY -m torch.distributed.run --standalone --nproc_per_node=2 \
+  timeout -k 10 "$limit" $PY -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
     benchmarks/ppo_throughput.py --model-dir "$TOK" --out "$OUT" --warmup "$WARMUP" \
     --steps "$STEPS" "${SIZE[@]}" "$@" 2>&1 | grep --line-buffered -v "Passing \`generation_config\` together" | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
@@ -84,18 +90,19 @@ bench() {  # bench LABEL TIMEOUT_S ARGS...
   [ "$rc" -eq 0 ] || FAILED=1
 }
 
-bench "1 verl_ppo default" 240 --system verl_ppo
-bench "2 trl_ppo" 240 --system trl_ppo
+bench "1 verl_ppo default" "${LIMIT:-240}" --system verl_ppo
+[ "${SKIP_TRL:-0}" = 1 ] || bench "2 trl_ppo" "${LIMIT:-240}" --system trl_ppo
 for v in ${VARIANTS:-}; do
+  name=${v%%:*}
   sets=()
-  IFS=, read -ra kvs <<< "$v"
+  IFS=, read -ra kvs <<< "${v#*:}"
   for kv in "${kvs[@]}"; do sets+=(--set "$kv"); done
-  bench "3 verl_ppo $v" 240 --system verl_ppo "${sets[@]}"
+  bench "3 verl_ppo $name" "${LIMIT:-240}" --system verl_ppo --variant "$name" "${sets[@]}"
 done
 
 say ""
 say "########## report"
-$PY benchmarks/ppo_throughput.py --report --out "$OUT" 2>&1 | tee -a "$LOG"
+$PY benchmarks/ppo_throughput.py --report --run-id "$VERL_RUN_ID" --out "$OUT" 2>&1 | tee -a "$LOG"
 cat "$OUT/ppo_throughput.md" 2>/dev/null | tee -a "$LOG"
 say "########## done: failed=$FAILED, files: $(ls "$OUT" | tr '\n' ' ')"
 exit $FAILED

@@ -76,7 +76,8 @@ import torch.distributed as dist
 
 BENCH = "ppo_throughput"
 REPO = Path(__file__).resolve().parents[1]
-TARGET_SPEEDUP = 2.3
+TARGET_SPEEDUP = 3.0  # issue 15: ours with default settings >= 3x TRL tokens/s/GPU
+TARGET_MFU = 0.35  # issue 15: actor and critic updates
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen05b": {
         "model_type": "qwen2",
@@ -125,13 +126,15 @@ class Setup:
     seed: int = 0
     model_dir: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    run_id: str | None = None  # shared by every record of one device call
+    variant: str | None = None  # name of the overrides (None: "default" or the overrides)
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> Setup:
         """From parsed options (:func:`add_workload_args` plus ``warmup``, ``steps``)."""
         names = ("shape", "layers", "prompt_len", "response_len", "rollout_batch")
-        names += ("micro_batch", "warmup", "steps", "model_dir")
-        return cls(**{n: getattr(a, n) for n in names})
+        names += ("micro_batch", "warmup", "steps", "model_dir", "run_id", "variant")
+        return cls(**{n: getattr(a, n, None) for n in names})
 
     def model_fields(self) -> dict[str, Any]:
         """HF config fields of the model (``model_type`` included)."""
@@ -329,6 +332,7 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
     with _task_replaced(task):
         trainer.setup()
         world = trainer.world
+        numerics = check_log_probs_vs_hf(trainer, task, s)
         want_tokens = s.rollout_batch * (s.prompt_len + s.response_len)
         # as PPOTrainer.run(): steps numbered as in the log, from 1; a no-op unless enabled
         trainer.profiler.start(first_step=1)
@@ -365,11 +369,79 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
                     "phases": phases,
                     "trainer_tokens_per_s_per_gpu": m["perf/throughput_tokens_per_s_per_gpu"],
                     "response_length_mean": m["response/length_mean"],
+                    "perf": {
+                        k: v
+                        for k, v in m.items()
+                        if k.startswith(("perf/mfu/", "perf/tflops/", "perf/decode", "memory/peak"))
+                    },
+                    "auto": {k: v for k, v in m.items() if k.startswith("auto/")},
                 }
             )
         trainer.profiler.stop()
+        out[0]["fast_path"] = trainer.fast.reasons
+        out[0]["numerics"] = numerics
     trainer.close()
     return out
+
+
+@torch.no_grad()
+def check_log_probs_vs_hf(trainer: Any, task: FixedLengthTask, s: Setup) -> dict[str, Any]:
+    """Numerics before timing: the first rollout's log-probs, as the trainer computes them
+    (the rollout path in use, then the actor's log-prob forward with its settings: fused
+    head, packing), against a plain HF forward of the same weights (``model(...).logits``,
+    fp32 ``log_softmax``).
+
+    Bound a wrong result fails: the mean absolute difference must stay below 0.2 x the
+    difference between the plain forward's log-probs and the same forward's log-probs
+    of the next token (an off-by-one position, the most likely bug).
+
+    Returns:
+        ``{"ok", "rollout_vs_hf", "actor_vs_hf", "shifted_vs_hf", "bound", "tokens"}``.
+
+    Raises:
+        RuntimeError: the check fails (nothing is timed then).
+    """
+    from verl_ppo.roles.common import position_ids_from
+    from verl_ppo.rollout.generate import response_mask_from
+
+    n = min(8, s.rollout_batch)
+    texts = [task.sample(trainer.tokenizer, "train", i).prompt for i in range(n)]
+    ids, mask = trainer.experience_maker.encode(texts)
+    out = trainer.experience_maker.generate(ids, mask, False, s.response_len, seed=123)
+    P = ids.shape[1]
+    resp = out.sequences[:, P:]
+    rmask = response_mask_from(resp, -1, trainer.tokenizer.pad_token_id).to(ids.device)
+    rmask = torch.ones_like(rmask)  # ignore_eos: every response token is real
+    full = torch.cat([mask, rmask.long()], 1)
+    model = trainer.actor.module
+    model.eval()
+    T = trainer.config.rollout.temperature
+    logits = (
+        model(input_ids=out.sequences, attention_mask=full, position_ids=position_ids_from(full))
+        .logits[:, P - 1 : -1]
+        .float()
+        / T
+    )
+    lsm = torch.log_softmax(logits, -1)
+    ref = lsm.gather(-1, resp[..., None]).squeeze(-1)
+    shifted = lsm[:, :-1].gather(-1, resp[:, 1:, None]).squeeze(-1)
+    actor_lp = trainer.actor.lp_fn(model, out.sequences, full, P, T)[0]
+    d_roll = float((out.log_probs - ref).abs().mean())
+    d_actor = float((actor_lp - ref).abs().mean())
+    d_shift = float((shifted - ref[:, :-1]).abs().mean())
+    bound = 0.2 * d_shift
+    res = {
+        "ok": d_roll < bound and d_actor < bound,
+        "rollout_vs_hf": d_roll,
+        "actor_vs_hf": d_actor,
+        "shifted_vs_hf": d_shift,
+        "bound": bound,
+        "tokens": int(rmask.sum()),
+    }
+    print(json.dumps({"numerics": res}))
+    if not res["ok"]:
+        raise RuntimeError(f"numerics check failed: {res}")
+    return res
 
 
 # ----------------------------------------------------------------- TRL
@@ -549,10 +621,15 @@ def summarize(
         "warmup_steps": s.warmup,
         "timed_steps": len(timed),
         "overrides": s.overrides,
-        "variant": _variant(s.overrides),
-        "numerics_ok": True,
+        "variant": s.variant or _variant(s.overrides),
+        "run_id": s.run_id,
         **extra,
     }
+    numerics = steps[0].get("numerics")
+    base["numerics_ok"] = bool(numerics["ok"]) if numerics else None
+    base["numerics"] = numerics or "TRL: finite policy and value losses checked every step"
+    if steps[0].get("fast_path"):
+        base["fast_path"] = steps[0]["fast_path"]
     recs = [
         {
             **base,
@@ -585,7 +662,62 @@ def summarize(
                 "over the sum of its phase times",
             }
         )
+    units = {"perf/mfu/": ("mfu", "fraction"), "perf/tflops/": ("tflops", "TFLOP/s/GPU")}
+    units["memory/peak_gib/"] = ("peak_memory", "GiB")
+    for key in timed[0].get("perf", {}):
+        vals = [x["perf"][key] for x in timed if key in x.get("perf", {})]
+        for prefix, (metric, unit) in units.items():
+            if key.startswith(prefix):
+                recs.append(
+                    {**base, "metric": metric, "phase": key[len(prefix) :], "unit": unit,
+                     "value": statistics.median(vals)}
+                )  # fmt: skip
+        if key.startswith("perf/decode"):
+            unit = "x" if key.endswith("vs_floor") else "tokens/s/GPU"
+            recs.append(
+                {**base, "metric": key.split("/", 1)[1], "unit": unit,
+                 "value": statistics.median(vals)}
+            )  # fmt: skip
     return recs
+
+
+def floor_record(s: Setup, world: int, base: dict[str, Any]) -> dict[str, Any] | None:
+    """The step-time floor of the workload from the model shape (1 x the device peaks):
+    matmul FLOPs of what PPO needs (actor and critic updates, ref and values forwards; the
+    LM head on response positions) at peak FLOP/s plus the rollout's decode floor
+    (:mod:`verl_ppo.perf`). None off CUDA or on an unknown device."""
+    from types import SimpleNamespace
+
+    from verl_ppo.perf import ModelFlops, device_peaks
+
+    if not torch.cuda.is_available():
+        return None
+    peak = device_peaks(torch.device("cuda", torch.cuda.current_device()))
+    if peak is None:
+        return None
+    mf = ModelFlops.of(SimpleNamespace(**s.model_fields()))
+    local = s.rollout_batch // world
+    lens = torch.full((local,), s.prompt_len + s.response_len)
+    resp = local * s.response_len
+    fa, fc = mf.forward(lens, resp), mf.forward(lens, 0)
+    model_s = (3 * fa + 3 * fc + fa + fc) / peak[0]
+    gen_s = mf.decode_floor_s(local, s.prompt_len, s.response_len, peak)
+    step = model_s + gen_s
+    tokens = s.rollout_batch * (s.prompt_len + s.response_len)
+    return {
+        **{k: base[k] for k in ("benchmark", "device", "versions", "date", "commit", "run_id")},
+        "system": "floor",
+        "variant": "model shape at 100% of peak",
+        "world_size": world,
+        "metric": "tokens_per_s_per_gpu",
+        "value": tokens / step / world,
+        "unit": "tokens/s/GPU",
+        "step_s": step,
+        "model_flops_s": model_s,
+        "gen_floor_s": gen_s,
+        "peak_flops": peak[0],
+        "hbm_bytes_per_s": peak[1],
+    }
 
 
 def append_records(out: Path, recs: list[dict[str, Any]]) -> None:
@@ -600,51 +732,114 @@ def _variant(overrides: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "default"
 
 
-def write_report(out: Path) -> dict[str, Any] | None:
-    """Write ``out/ppo_throughput.md`` from the JSON lines (the last record of each system,
-    variant, metric and phase wins) and append a ``speedup_vs_trl`` record (ours with
-    default settings over TRL) when both were measured; returns that record or None."""
+def _fmt(rec: dict[str, Any] | None, spec: str) -> str:
+    return "-" if rec is None else format(rec["value"], spec)
+
+
+def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
+    """Write ``out/ppo_throughput.md`` from the JSON lines of one run (``run_id``; default:
+    that of the last record) and append a ``speedup_vs_trl`` record (ours with default
+    settings over TRL) when both were measured; returns that record or None.
+
+    Tables: every system and variant next to TRL and the floor of the model shape; then,
+    for ours, MFU, TFLOP/s and peak memory per phase; then the targets as measured."""
     recs = [json.loads(x) for x in (out / f"{BENCH}.jsonl").read_text().splitlines() if x]
+    run_id = run_id or next((r.get("run_id") for r in reversed(recs) if r.get("run_id")), None)
+    recs = [r for r in recs if r.get("run_id") == run_id]
     last: dict[tuple, dict[str, Any]] = {}
     for r in recs:
         if r["metric"] != "speedup_vs_trl":
             last[(r["system"], r.get("variant", "default"), r["metric"], r.get("phase"))] = r
-    rows = sorted({k[:2] for k in last if k[2] == "tokens_per_s_per_gpu"})
-    lines = [f"# {BENCH}", ""]
-    if rows:
-        r0 = last[(*rows[0], "tokens_per_s_per_gpu", None)]
+    rows = sorted(
+        {k[:2] for k in last if k[2] == "tokens_per_s_per_gpu"},
+        key=lambda k: (k[0] == "floor", k[0], k[1] != "default", k[1]),
+    )
+    get = last.get
+    trl = get(("trl_ppo", "default", "tokens_per_s_per_gpu", None))
+    floor = next((last[(*k, "tokens_per_s_per_gpu", None)] for k in rows if k[0] == "floor"), None)
+    lines = [f"# {BENCH}", "", f"run_id `{run_id}`", ""]
+    real = [k for k in rows if k[0] != "floor"]
+    if real:
+        r0 = last[(*real[0], "tokens_per_s_per_gpu", None)]
         lines += [
             f"{r0['device']}; {r0['shape']} shape (random weights), prompt {r0['prompt_len']}"
             f" + response {r0['response_len']} tokens, rollout batch {r0['rollout_batch']} "
-            f"(global), micro-batch {r0['micro_batch']} per rank; median of "
-            f"{r0['timed_steps']} steps after {r0['warmup_steps']} warm-up. tokens/s/GPU = "
-            "batch x (prompt + response) / step time / GPUs.",
+            f"(global), micro-batch {r0['micro_batch']} per rank (ours: unless a token budget "
+            f"applies); median of {r0['timed_steps']} steps after {r0['warmup_steps']} warm-up; "
+            "each system in its own launch. tokens/s/GPU = batch x (prompt + response) / "
+            "step time / GPUs. Floor: the model shape's matmul FLOPs of PPO (updates 3x, ref and "
+            "values 1x a forward) at the dense bf16 peak plus the decode floor (weights + KV "
+            "cache read per step at HBM bandwidth).",
             "",
-            "| system | variant | tokens/s/GPU | step (s) | phases: median s | commit, date |",
-            "|---|---|---|---|---|---|",
+            "| system | variant | tokens/s/GPU | vs TRL | of floor | step (s) | phases: median s "
+            "| numerics | commit, date |",
+            "|---|---|---:|---:|---:|---:|---|---|---|",
         ]
     for row in rows:
         tps = last[(*row, "tokens_per_s_per_gpu", None)]
-        st = last[(*row, "step_time_s", None)]
+        st = get((*row, "step_time_s", None))
         ph = ", ".join(
             f"{k[3]} {v['value']:.3g}" for k, v in last.items() if k[:3] == (*row, "phase_time_s")
         )
+        if row[0] == "floor":
+            ph = f"model FLOPs {tps['model_flops_s']:.3g}, gen {tps['gen_floor_s']:.3g}"
+        num = tps.get("numerics")
+        if isinstance(num, dict):
+            num = (
+                f"{'ok' if num['ok'] else 'FAILED'}: |rollout-HF| {num['rollout_vs_hf']:.3g}, "
+                f"|actor-HF| {num['actor_vs_hf']:.3g} < {num['bound']:.3g}"
+            )
+        vs_trl = f"{tps['value'] / trl['value']:.2f}" if trl else "-"
+        of_floor = f"{tps['value'] / floor['value']:.0%}" if floor else "-"
+        step = tps.get("step_s") if st is None else st["value"]
         lines.append(
-            f"| {row[0]} | {row[1]} | {tps['value']:.1f} | {st['value']:.3g} | {ph} | "
-            f"{tps['commit']}, {tps['date']} |"
+            f"| {row[0]} | {row[1]} | {tps['value']:.0f} | {vs_trl} | {of_floor} | {step:.3g} "
+            f"| {ph} | {num or '-'} | {tps['commit']}, {tps['date']} |"
         )
+    ours = [k for k in real if k[0] == "verl_ppo"]
+    if ours:
+        lines += [
+            "",
+            "Ours per phase (median over the timed steps): MFU = model FLOPs (verl's counting, "
+            "verl_ppo/perf.py) / time / dense bf16 peak; peak = max CUDA memory allocated.",
+            "",
+            "| variant | phase | MFU | TFLOP/s | peak GiB |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for row in ours:
+            phases = sorted({k[3] for k in last if k[:2] == row and k[2] == "peak_memory"})
+            phases += sorted(
+                {k[3] for k in last if k[:2] == row and k[2] in ("mfu", "tflops")} - set(phases)
+            )
+            for ph in phases:
+                mfu, tf = get((*row, "mfu", ph)), get((*row, "tflops", ph))
+                mem = get((*row, "peak_memory", ph))
+                lines.append(
+                    f"| {row[1]} | {ph} | {_fmt(mfu, '.1%')} | {_fmt(tf, '.0f')} | "
+                    f"{_fmt(mem, '.1f')} |"
+                )
+            dec, fl = get((*row, "decode_tokens_per_s", None)), get((*row, "decode_vs_floor", None))
+            if dec and fl:
+                lines.append(
+                    f"| {row[1]} | gen: decode {dec['value']:.0f} tokens/s | "
+                    f"{fl['value']:.0%} of the floor | | |"
+                )
+        fp = last[(*ours[0], "tokens_per_s_per_gpu", None)].get("fast_path")
+        if fp:
+            lines += ["", "What `auto` resolved to (ours, default):", ""]
+            lines += [f"- `{k}` = {v}" for k, v in fp.items()]
     for k, r in last.items():
         if k[2] == "skipped":
             lines.append(f"\n{k[0]} skipped: {r['reason']}")
     speed = None
-    if {("verl_ppo", "default"), ("trl_ppo", "default")} <= set(rows):
-        ours = last[("verl_ppo", "default", "tokens_per_s_per_gpu", None)]
-        trl = last[("trl_ppo", "default", "tokens_per_s_per_gpu", None)]
-        ratio = ours["value"] / trl["value"]
+    if trl and ("verl_ppo", "default") in set(rows):
+        o = last[("verl_ppo", "default", "tokens_per_s_per_gpu", None)]
+        ratio = o["value"] / trl["value"]
         speed = {
-            **{k: ours[k] for k in ("benchmark", "device", "versions", "date", "commit")},
+            **{k: o[k] for k in ("benchmark", "device", "versions", "date", "commit", "run_id")},
             "system": "verl_ppo",
             "variant": "default",
+            "world_size": o.get("world_size"),
             "metric": "speedup_vs_trl",
             "value": ratio,
             "unit": "x",
@@ -653,13 +848,22 @@ def write_report(out: Path) -> dict[str, Any] | None:
             "trl_stand_ins": trl.get("trl_stand_ins"),
         }
         append_records(out, [speed])
+        lines += ["", "Targets (issue 15), as measured:", ""]
         lines.append(
-            f"\nTarget ours >= {TARGET_SPEEDUP} x TRL (tokens/s/GPU, default settings): "
-            f"measured {ratio:.2f} x -> {'met' if speed['met'] else 'NOT met'}."
+            f"- ours with default settings >= {TARGET_SPEEDUP} x TRL tokens/s/GPU: "
+            f"{ratio:.2f} x -> {'met' if speed['met'] else 'NOT met'}"
         )
+        for ph in ("actor", "critic"):
+            mfu = get(("verl_ppo", "default", "mfu", ph))
+            if mfu:
+                ok = mfu["value"] >= TARGET_MFU
+                lines.append(
+                    f"- MFU of the {ph} update (default) >= {TARGET_MFU:.0%}: "
+                    f"{mfu['value']:.1%} -> {'met' if ok else 'NOT met'}"
+                )
         if trl.get("trl_stand_ins"):
             lines.append(
-                f"TRL {trl['versions'].get('trl')} ran with import-time stand-ins for "
+                f"\nTRL {trl['versions'].get('trl')} ran with import-time stand-ins for "
                 f"{', '.join(trl['trl_stand_ins'])} (not installed; unused by its PPO loop)."
             )
     (out / f"{BENCH}.md").write_text("\n".join(lines) + "\n")
@@ -692,8 +896,15 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--report", action="store_true", help="only write the markdown report")
+    p.add_argument(
+        "--run-id", default=os.environ.get("VERL_RUN_ID"),
+        help="id shared by every record of one device call (default: $VERL_RUN_ID, else new)",
+    )  # fmt: skip
+    p.add_argument("--variant", default=None, help="name of this run's --set overrides")
     p.add_argument("--export-tokenizer", metavar="DIR", help="write the tokenizer folder, exit")
     a = p.parse_args(argv)
+    if not a.run_id and not a.report:
+        a.run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     if a.smoke:
         a.shape, a.prompt_len, a.response_len = "tiny", 16, 8
         a.rollout_batch, a.micro_batch, a.warmup, a.steps = 4, 2, 1, 1
@@ -708,7 +919,7 @@ def main(argv: list[str] | None = None) -> int:
         print(export_tokenizer(a.export_tokenizer, a.shape))
         return 0
     if a.report:
-        print(write_report(out))
+        print(write_report(out, a.run_id))
         return 0
     from verl_ppo.config import parse_overrides
 
@@ -738,11 +949,14 @@ def main(argv: list[str] | None = None) -> int:
                 extra = {"trl_stand_ins": stand_ins, "trl_reward_model_layers": 1}
         rank, world = _rank_world()
         recs = summarize(system, s, steps, world, extra)
+        if system == "verl_ppo":
+            fl = floor_record(s, world, recs[0])
+            recs += [fl] if fl else []
         if rank == 0:
             append_records(out, recs)
             print(json.dumps({"system": system, "tokens_per_s_per_gpu": recs[0]["value"]}))
     if _rank_world()[0] == 0 and (a.smoke or a.system == "both"):
-        write_report(out)
+        write_report(out, s.run_id)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return status

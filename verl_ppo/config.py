@@ -94,7 +94,11 @@ class RolloutConfig(_Strict):
     ignore_eos: bool = Field(
         False, description="always generate max_new_tokens (fixed-length benchmarks)"
     )
-    use_cuda_graph: bool = Field(False, description="capture decode steps as CUDA graphs (GPU)")
+    use_cuda_graph: bool | Literal["auto"] = Field(
+        "auto",
+        description="static KV cache + decode steps as CUDA graphs; auto = on with CUDA for "
+        "supported models (verl_ppo.fast_path)",
+    )
     micro_batch_size: int | None = Field(
         None,
         gt=0,
@@ -133,6 +137,12 @@ class AlgorithmConfig(_Strict):
     reward_shaping: str = Field(
         "last_token", description="a name in verl_ppo.algorithms.REWARD_SHAPERS"
     )
+    old_log_prob: Literal["auto", "forward", "bypass"] = Field(
+        "auto",
+        description="bypass = no old-log-prob forward (one epoch, one mini-batch: the update's "
+        "own forward gives it; the KL reward uses the rollout's log-probs); auto = bypass "
+        "where that holds",
+    )
     kl: KLConfig = Field(default_factory=KLConfig)
 
     @field_validator("policy_loss", "reward_shaping")
@@ -153,6 +163,7 @@ class OptimConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, ge=0.0, description="gradient norm clip; 0 = off")
     betas: tuple[float, float] = (0.9, 0.95)
+    fused: bool | Literal["auto"] = Field("auto", description="fused AdamW; auto = on CUDA")
 
 
 class ActorModelConfig(_Strict):
@@ -210,11 +221,15 @@ class TrainConfig(_Strict):
     keep_last_checkpoints: int = Field(
         2, ge=0, description="complete checkpoints kept in run_dir (older removed); 0 = all"
     )
-    sequence_packing: bool = Field(
-        False, description="pack valid tokens of a micro-batch into one row (no compute on padding)"
+    sequence_packing: bool | Literal["auto"] = Field(
+        "auto",
+        description="pack valid tokens of a micro-batch into one row (no compute on padding); "
+        "auto = on with a varlen (flash) attention kernel",
     )
-    max_tokens_per_micro_batch: int | None = Field(
-        None, gt=0, description="dynamic micro-batches by token budget; None = micro_batch_size"
+    max_tokens_per_micro_batch: int | Literal["auto"] | None = Field(
+        "auto",
+        description="dynamic micro-batches by token budget; None = micro_batch_size; auto = "
+        "sized from free GPU memory on CUDA, None on the CPU",
     )
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["console", "jsonl"],
@@ -237,6 +252,17 @@ class TrainConfig(_Strict):
         problems = missing_backends(v)
         if problems:
             raise ValueError("; ".join(problems))
+        return v
+
+    fused_log_probs: bool | Literal["auto"] = Field(
+        "auto", description="chunked LM head + log-softmax + entropy (no fp32 vocab logits)"
+    )
+
+    @field_validator("max_tokens_per_micro_batch")
+    @classmethod
+    def _positive_budget(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
+            raise ValueError(f"must be > 0, 'auto' or null, got {v}")
         return v
 
 
@@ -362,6 +388,21 @@ class PPOConfig(_Strict):
                     "own reduction, so no comm hook can compress them (verl_ppo/grad_comm.py). "
                     f"Set gradient_compression=none, or {role}.offload_optimizer=false"
                 )
+        from verl_ppo.fast_path import resolve_old_log_prob
+
+        resolve_old_log_prob(self)  # refuses bypass with several epochs / mini-batches
+        if self.actor.zero_stage == 3 and not self.actor.model_config_.hybrid_engine.enable:
+            if self.rollout.use_cuda_graph is True:
+                raise ValueError(
+                    "rollout.use_cuda_graph=true with actor.zero_stage=3 needs the hybrid engine "
+                    "(ZeRO-3 partitions the weights the graph reads): enable "
+                    "actor.model_config.hybrid_engine or set rollout.use_cuda_graph=auto"
+                )
+        if self.actor.zero_stage == 3 and self.train.fused_log_probs is True:
+            raise ValueError(
+                "train.fused_log_probs=true with actor.zero_stage=3: ZeRO-3 partitions the LM "
+                "head weight; set train.fused_log_probs=auto"
+            )
         pr = self.profiler
         if pr.enable:
             bad = [s for s in pr.steps if not 1 <= s <= t.num_steps]

@@ -24,6 +24,8 @@ class Experience:
         group_index: ``(B,)`` int64, samples of one prompt share an index (GRPO).
         entries: the reasoning-gym entries, one per sequence.
         scores: ``(B,)`` float32 rule reward of each response.
+        rollout_log_prob: ``(B, R)`` float32, the sampler's log-probs of the responses
+            (0 after EOS; :mod:`verl_ppo.rollout.sampler`).
         old_log_prob, ref_log_prob, values, token_level_rewards, advantages, returns:
             ``(B, R)`` float32, filled by the phases of the step.
     """
@@ -36,6 +38,7 @@ class Experience:
     group_index: torch.Tensor
     entries: list = field(default_factory=list)
     scores: torch.Tensor | None = None
+    rollout_log_prob: torch.Tensor | None = None
     old_log_prob: torch.Tensor | None = None
     ref_log_prob: torch.Tensor | None = None
     values: torch.Tensor | None = None

@@ -25,8 +25,9 @@ from verl_ppo.metrics import PhaseTimer
 from verl_ppo.reward.async_scorer import AsyncRewardScorer
 from verl_ppo.reward.base import RewardBatch, RewardModel
 from verl_ppo.roles import Actor
-from verl_ppo.rollout.cuda_graph import StaticCacheDecoder, decoder_for
-from verl_ppo.rollout.generate import generate, response_mask_from
+from verl_ppo.rollout.generate import RolloutOutput, response_mask_from
+from verl_ppo.rollout.runner import RolloutRunner
+from verl_ppo.rollout.sampler import SamplingParams
 
 
 class ExperienceMaker:
@@ -46,6 +47,7 @@ class ExperienceMaker:
             (``comm.timeout_s``: a hung reward fails here rather than in the next collective).
         hybrid: the :class:`~verl_ppo.reshard.hybrid.HybridEngine`, or None.
         profiler: receives the rollout time and batch size (``record_rollout``).
+        use_cuda_graph: the resolved ``rollout.use_cuda_graph`` (:mod:`verl_ppo.fast_path`).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class ExperienceMaker:
         timeout_s: float,
         hybrid: Any = None,
         profiler: Any = None,
+        use_cuda_graph: bool = False,
     ) -> None:
         self.config = config
         self.d = derived
@@ -79,7 +82,7 @@ class ExperienceMaker:
         self.scorer: AsyncRewardScorer | None = None
         if config.reward.async_scoring:
             self.scorer = AsyncRewardScorer(reward_model, max_workers=1)
-        self._decoder: StaticCacheDecoder | None = None
+        self.rollout_runner = RolloutRunner(use_cuda_graph)
 
     # ---------------------------------------------------------------- inputs
     def prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
@@ -124,30 +127,23 @@ class ExperienceMaker:
         max_new: int,
         seed: int,
         model: Any = None,
-    ) -> torch.Tensor:
-        """Sample (or greedily decode) ``(B, P + R)`` sequences with ``model`` (default: the
-        actor's training module; the hybrid engine passes its TP rollout model); CUDA graphs
-        when ``rollout.use_cuda_graph``."""
+    ) -> RolloutOutput:
+        """Sample (or greedily decode) with ``model`` (default: the actor's training module;
+        the hybrid engine passes its TP rollout model) through
+        :class:`~verl_ppo.rollout.runner.RolloutRunner` (CUDA graphs when resolved on);
+        returns ``(B, P + R)`` sequences and the sampled tokens' ``(B, R)`` log-probs."""
         r = self.config.rollout
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        kwargs = dict(
+        return self.rollout_runner.run(
+            model if model is not None else self.actor.module,
+            input_ids,
+            attention_mask,
             max_new_tokens=max_new,
             eos_token_id=-1 if (r.ignore_eos and not greedy) else self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
-            do_sample=not greedy,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
+            params=SamplingParams(not greedy, r.temperature, r.top_k, r.top_p),
             generator=gen,
         )
-        if model is not None:
-            return model.generate(input_ids, attention_mask, **kwargs)
-        if r.use_cuda_graph:
-            self._decoder = decoder_for(
-                self._decoder, self.actor.module, input_ids.shape[1], max_new, use_cuda_graph=True
-            )
-            return self._decoder.generate(input_ids, attention_mask, **kwargs)
-        return generate(self.actor.module, input_ids, attention_mask, **kwargs)
 
     def _response_mask(self, responses: torch.Tensor) -> torch.Tensor:
         return response_mask_from(
@@ -203,7 +199,7 @@ class ExperienceMaker:
         P, B = prompt_ids.shape[1], prompt_ids.shape[0]
         pad = self.tokenizer.pad_token_id
         mb = cfg.rollout.micro_batch_size or B
-        parts, futures = [], []
+        parts, lp_parts, futures = [], [], []
         with contextlib.ExitStack() as stack:
             rollout_model = None
             if self.hybrid is not None:
@@ -215,7 +211,7 @@ class ExperienceMaker:
                 self.actor.module.eval()
                 for i in range(0, B, mb):
                     seed = cfg.seed * 1_000_003 + step * 7919 + self.rank * 131 + i
-                    seqs_i = self.generate(
+                    out_i = self.generate(
                         prompt_ids[i : i + mb],
                         prompt_mask[i : i + mb],
                         False,
@@ -223,7 +219,9 @@ class ExperienceMaker:
                         seed,
                         rollout_model,
                     )
+                    seqs_i = out_i.sequences
                     parts.append(seqs_i[:, P:])
+                    lp_parts.append(out_i.log_probs)
                     if self.scorer is not None:  # score i while i+1 generates
                         r_i = seqs_i[:, P:]
                         batch = self.reward_batch(
@@ -251,6 +249,7 @@ class ExperienceMaker:
         if self.profiler is not None:
             self.profiler.record_rollout(timer.times["gen"], B)
         rmask = self._response_mask(responses)
+        rollout_lp = torch.cat([torch.nn.functional.pad(x, (0, R - x.shape[1])) for x in lp_parts])
         exp = Experience(
             input_ids=torch.cat([prompt_ids, responses], 1),
             attention_mask=torch.cat([prompt_mask, rmask.long()], 1),
@@ -259,7 +258,9 @@ class ExperienceMaker:
             response_mask=rmask,
             group_index=groups.to(self.device),
             entries=entries,
+            rollout_log_prob=rollout_lp * rmask,
         )
+        m["rollout/cuda_graph_captures"] = float(self.rollout_runner.graph_captures)
         with timer.phase("reward"):
             if self.scorer is not None:
                 scores = [self.scorer.wait(f, timeout=self.timeout_s) for f in futures]
@@ -280,7 +281,7 @@ class ExperienceMaker:
         responses are appended to ``texts`` when given (the printed eval samples)."""
         samples = [self.task.sample(self.tokenizer, split, j) for j in indices]
         ids, mask = self.encode([s.prompt for s in samples])
-        seqs = self.generate(ids, mask, True, self.config.rollout.eval_max_new_tokens, 0)
+        seqs = self.generate(ids, mask, True, self.config.rollout.eval_max_new_tokens, 0).sequences
         resp = seqs[:, ids.shape[1] :]
         rmask = self._response_mask(resp)
         if texts is not None:
@@ -291,7 +292,7 @@ class ExperienceMaker:
         """Stop the scoring thread and drop the CUDA-graph decoder."""
         if self.scorer is not None:
             self.scorer.shutdown()
-        self._decoder = None
+        self.rollout_runner = RolloutRunner(False)
 
 
 def rollout_metrics(exp: Experience, max_new_tokens: int) -> dict[str, float]:

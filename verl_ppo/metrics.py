@@ -33,11 +33,14 @@ class PhaseTimer:
     """Wall time per named phase of a step, reported as ``timing_s/<phase>``.
 
     ``profiler`` (optional) is any object with a ``phase(name)`` context manager (e.g.
-    ``verl_comm.profiler.VerlProfiler``); its ranges then match these timings.
+    ``verl_comm.profiler.VerlProfiler``); its ranges then match these timings. With
+    ``sync_cuda`` the peak allocated CUDA memory of each phase is kept too
+    (``memory/peak_gib/<phase>``).
     """
 
     def __init__(self, profiler: Any = None, sync_cuda: bool = False) -> None:
         self.times: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
         self.profiler = profiler
         self.sync_cuda = sync_cuda
 
@@ -48,6 +51,7 @@ class PhaseTimer:
             import torch
 
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         if self.profiler is not None:
             with self.profiler.phase(name):
@@ -58,12 +62,15 @@ class PhaseTimer:
             import torch
 
             torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
         """``{"timing_s/<phase>": seconds}`` and ``timing_s/step`` (their sum)."""
         out = {f"timing_s/{k}": v for k, v in self.times.items()}
         out["timing_s/step"] = sum(self.times.values())
+        out.update({f"memory/peak_gib/{k}": v for k, v in self.peaks.items()})
         return out
 
 

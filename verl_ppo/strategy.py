@@ -92,6 +92,7 @@ class DeepSpeedStrategy:
         group: the data-parallel process group the gradients are averaged over.
         timeout_s: deadline in seconds of one gradient reduction (``comm.timeout_s``).
         recorder: optional telemetry sink of the hook and the reducer.
+        fused: torch's fused AdamW (None = on CUDA; resolved ``optim.fused``).
     """
 
     def __init__(
@@ -105,8 +106,10 @@ class DeepSpeedStrategy:
         group: dist.ProcessGroup | None = None,
         timeout_s: float,
         recorder: CommRecorder | None = None,
+        fused: bool | None = None,
     ) -> None:
         self.config = config
+        self.fused = fused
         self.lr = lr
         self.weight_decay = weight_decay
         self.betas = betas
@@ -134,8 +137,9 @@ class DeepSpeedStrategy:
             lr=self.lr,
             weight_decay=self.weight_decay,
             betas=self.betas,
-            # on CUDA, or on the CPU partitions ZeRO-Offload steps (torch >= 2.4 fuses on CPU)
-            fused=torch.cuda.is_available() or offload,
+            # fused on CUDA (resolved ``optim.fused``), and on the CPU partitions ZeRO-Offload
+            # steps (torch >= 2.4 fuses on CPU)
+            fused=(torch.cuda.is_available() if self.fused is None else self.fused) or offload,
         )
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=self.config)
         self.engine = engine

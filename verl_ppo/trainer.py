@@ -45,6 +45,12 @@ from verl_ppo.data.tasks import Task
 from verl_ppo.distributed import ensure_process_group, environment_findings
 from verl_ppo.experience import Experience
 from verl_ppo.experience_maker import ExperienceMaker, rollout_metrics
+from verl_ppo.fast_path import (
+    BUDGET_FRACTION,
+    token_budget_from_free_memory,
+    training_bytes_per_token,
+)
+from verl_ppo.fast_path import resolve as resolve_fast_path
 from verl_ppo.metrics import PhaseTimer, get_logger
 from verl_ppo.models import (
     build_policy,
@@ -53,6 +59,7 @@ from verl_ppo.models import (
     load_tokenizer,
 )
 from verl_ppo.monitor import PrometheusMonitor
+from verl_ppo.perf import ModelFlops, device_peaks, phase_perf
 from verl_ppo.reshard.hybrid import HybridEngine
 from verl_ppo.reward import build_reward_model
 from verl_ppo.reward.base import RewardModel
@@ -159,6 +166,7 @@ class PPOTrainer:
             timeout_s=self.ctx.timeout_s,
             hybrid=self.hybrid,
             profiler=self.profiler,
+            use_cuda_graph=self.fast.use_cuda_graph,
         )
         self.monitor = None
         if cfg.monitor.prometheus_port is not None:
@@ -196,6 +204,7 @@ class PPOTrainer:
             policy.gradient_checkpointing_enable()
         ref_model = copy.deepcopy(policy)
         check_uniform_dtype(policy, self.dtype, "actor")
+        self.fast = resolve_fast_path(cfg, self.cuda, policy)
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
         # copied before the actor engine exists: ZeRO-3 partitions the policy's parameters
         # in place, and a copy made afterwards holds empty (numel 0) tensors
@@ -210,7 +219,9 @@ class PPOTrainer:
         )
         actor_strategy = self._strategy(cfg.actor, engines_cfg)
         actor_strategy.init(policy)
-        packing, budget = cfg.train.sequence_packing, cfg.train.max_tokens_per_micro_batch
+        packing, fused = self.fast.sequence_packing, self.fast.fused_log_probs
+        budget = cfg.train.max_tokens_per_micro_batch
+        budget = None if budget == "auto" else budget  # sized below, once the engines exist
         self.actor = Actor(
             actor_strategy,
             cfg.algorithm,
@@ -219,9 +230,14 @@ class PPOTrainer:
             group=self.group,
             packing=packing,
             max_tokens_per_micro_batch=budget,
+            fused=fused,
         )
         self.reference = Reference(
-            ref_model, self.d.local_micro_batch_size, cfg.rollout.temperature, packing=packing
+            ref_model,
+            self.d.local_micro_batch_size,
+            cfg.rollout.temperature,
+            packing=packing,
+            fused=fused,
         )
         self.engines: dict[str, DeepSpeedStrategy] = {"actor": actor_strategy}
         self.critic: Critic | None = None
@@ -237,9 +253,57 @@ class PPOTrainer:
                 max_tokens_per_micro_batch=budget,
             )
             self.engines["critic"] = critic_strategy
+        self._size_token_budget(policy.config)
+        self.model_flops = ModelFlops.of(policy.config)
+        self.peaks = device_peaks(self.device)
         if self.rank == 0:
             for name, strategy in self.engines.items():
                 self.log.info("%s engine: %s", name, strategy.describe())
+            for line in self.fast.lines():
+                self.log.info("fast path: %s", line)
+            if self.peaks is None:
+                self.log.info(
+                    "fast path: no MFU metrics (no peak FLOP/s known for %s)", self.device
+                )
+
+    def _size_token_budget(self, model_config: Any) -> None:
+        """``train.max_tokens_per_micro_batch: auto``: on CUDA, from the memory free now
+        (engines built; the smallest over ranks); the no-grad forwards get 4x (they keep
+        no activations). See :mod:`verl_ppo.fast_path`."""
+        cfg, fp = self.config, self.fast
+        given = cfg.train.max_tokens_per_micro_batch
+        cap = self.d.local_mini_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+        if given != "auto":
+            fp.max_tokens_per_micro_batch = given
+            fp.reasons["train.max_tokens_per_micro_batch"] = f"{given} (set)"
+        elif not self.cuda:
+            fp.reasons["train.max_tokens_per_micro_batch"] = (
+                f"None (auto: CPU, train.micro_batch_size={self.d.local_micro_batch_size})"
+            )
+        else:
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if self.world > 1:
+                import torch.distributed as dist
+
+                t = torch.tensor([float(free)], dtype=torch.float64, device=self.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+                free = int(t.item())
+            bpt = training_bytes_per_token(
+                model_config, 2 if self.dtype == torch.bfloat16 else 4,
+                cfg.model.gradient_checkpointing,
+            )  # fmt: skip
+            fp.max_tokens_per_micro_batch = token_budget_from_free_memory(free, bpt, cap)
+            fp.reasons["train.max_tokens_per_micro_batch"] = (
+                f"{fp.max_tokens_per_micro_batch} (auto: {BUDGET_FRACTION} x "
+                f"{free / 2**30:.1f} GiB free / {bpt / 2**20:.2f} MiB per token, at most one "
+                f"mini-batch of {cap})"
+            )
+        if fp.max_tokens_per_micro_batch is not None:
+            fp.max_tokens_no_grad = max(4 * fp.max_tokens_per_micro_batch, cap)
+        for role in (self.actor, self.critic, self.reference):
+            if role is not None:
+                role.max_tokens = fp.max_tokens_per_micro_batch
+                role.max_tokens_no_grad = fp.max_tokens_no_grad
 
     @property
     def grad_comm(self) -> dict[str, Any]:
@@ -299,6 +363,7 @@ class PPOTrainer:
             group=self.group,
             timeout_s=self.ctx.timeout_s,
             recorder=self.recorder,
+            fused=self.fast.fused_adamw,
         )
 
     def _build_reward(self) -> RewardModel:
@@ -327,6 +392,7 @@ class PPOTrainer:
             m.update(self._advantages(exp))
         m.update(self._update(exp, timer))
         m.update(timer.metrics())
+        m.update(self._perf_metrics(timer.times, exp))
         m.update(rollout_metrics(exp, cfg.rollout.max_new_tokens))
         m.update(self._comm_metrics())
         m = self._reduce_metrics(m)
@@ -342,8 +408,11 @@ class PPOTrainer:
     def _score_tokens(self, exp: Experience, timer: PhaseTimer) -> None:
         """Phases ``old_log_prob``, ``ref`` and (GAE) ``values``: fill ``exp``'s ``(B, R)``
         log-probs under the rollout policy and the reference, and the critic's values."""
-        with timer.phase("old_log_prob"):
-            exp.old_log_prob = self.actor.compute_log_prob(exp)
+        if self.fast.bypass_old_log_prob:  # see verl_ppo.fast_path.resolve_old_log_prob
+            exp.old_log_prob = exp.rollout_log_prob
+        else:
+            with timer.phase("old_log_prob"):
+                exp.old_log_prob = self.actor.compute_log_prob(exp)
         with timer.phase("ref"):
             exp.ref_log_prob = self.reference.compute_log_prob(exp)
         if self.critic is not None:
@@ -390,8 +459,41 @@ class PPOTrainer:
             with timer.phase("update_critic"):
                 m.update(self.critic.update(exp, self.d.num_mini_batches, cfg.train.ppo_epochs))
         with timer.phase("update_actor"):
-            m.update(self.actor.update(exp, self.d.num_mini_batches, cfg.train.ppo_epochs))
+            m.update(
+                self.actor.update(
+                    exp,
+                    self.d.num_mini_batches,
+                    cfg.train.ppo_epochs,
+                    on_policy=self.fast.bypass_old_log_prob,
+                )
+            )
         return m
+
+    def _perf_metrics(self, times: dict[str, float], exp: Experience) -> dict[str, float]:
+        """The resolved ``auto`` settings (``auto/*``), MFU per model phase
+        (``perf/mfu/<phase>``, :mod:`verl_ppo.perf`) and decode tokens/s against its floor."""
+        out = dict(self.fast.metrics())
+        out.update(
+            phase_perf(
+                self.model_flops,
+                times,
+                exp.attention_mask.sum(-1),
+                int(exp.response_mask.sum()),
+                self.fast.fused_log_probs,
+                self.config.train.ppo_epochs,
+                self.peaks,
+            )
+        )
+        B, R = exp.response_mask.shape
+        if times.get("gen"):
+            out["perf/decode_tokens_per_s"] = B * R / times["gen"]
+            if self.peaks is not None:
+                floor = self.model_flops.decode_floor_s(B, exp.prompt_len, R, self.peaks)
+                out["perf/decode_floor_tokens_per_s"] = B * R / floor
+                out["perf/decode_vs_floor"] = floor / times["gen"]
+        if self.cuda:
+            out["memory/alloc_retries"] = float(torch.cuda.memory_stats()["num_alloc_retries"])
+        return out
 
     def _comm_metrics(self) -> dict[str, float]:
         """``comm/<role>/<stat>`` of each active gradient-communication hook."""

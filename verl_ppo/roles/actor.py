@@ -8,7 +8,7 @@ import torch
 
 from verl_ppo.algorithms import POLICY_LOSSES, agg_loss, kl_penalty, masked_mean
 from verl_ppo.experience import Experience
-from verl_ppo.roles.common import log_prob_fn, run_update
+from verl_ppo.roles.common import forward_in_micro_batches, log_prob_fn, run_update
 from verl_ppo.strategy import DeepSpeedStrategy
 
 
@@ -22,6 +22,10 @@ class Actor:
         temperature: rollout temperature (log-probs are of the sampled distribution).
         group: data-parallel process group (None = WORLD); the strategy owns the gradient
             communication (``strategy.grad_comm``).
+        packing: packed sequences (:mod:`verl_ppo.packing`).
+        max_tokens_per_micro_batch: token budget of the update's micro-batches (None =
+            ``micro_batch_size``); ``max_tokens_no_grad`` (attribute) that of no-grad forwards.
+        fused: the chunked LM head (:mod:`verl_ppo.roles.fused_head`).
     """
 
     def __init__(
@@ -33,11 +37,13 @@ class Actor:
         group: Any = None,
         packing: bool = False,
         max_tokens_per_micro_batch: int | None = None,
+        fused: bool = False,
     ) -> None:
         self.strategy = strategy
         self.packing = packing
         self.max_tokens = max_tokens_per_micro_batch
-        self.lp_fn = log_prob_fn(packing)
+        self.max_tokens_no_grad = max_tokens_per_micro_batch
+        self.lp_fn = log_prob_fn(packing, fused)
         self.algo = algo
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
@@ -52,16 +58,24 @@ class Actor:
     def compute_log_prob(self, exp: Experience) -> torch.Tensor:
         """Log-probs ``(B, R)`` of the responses under the current policy (no grad)."""
         self.module.eval()
-        parts = [
-            self.lp_fn(
+        return forward_in_micro_batches(
+            exp,
+            lambda mb: self.lp_fn(
                 self.module, mb.input_ids, mb.attention_mask, exp.prompt_len, self.temperature
-            )[0]
-            for mb in exp.split(self.micro_batch_size)
-        ]
-        return torch.cat(parts, 0)
+            )[0],
+            self.micro_batch_size,
+            self.max_tokens_no_grad,
+            self.packing,
+        )
 
-    def update(self, exp: Experience, num_mini_batches: int, ppo_epochs: int) -> dict[str, float]:
+    def update(
+        self, exp: Experience, num_mini_batches: int, ppo_epochs: int, on_policy: bool = False
+    ) -> dict[str, float]:
         """PPO epochs over ``exp`` split into mini-batches; returns averaged metrics.
+
+        ``on_policy`` (one epoch, one mini-batch; ``algorithm.old_log_prob`` bypass): the
+        ratio's old log-probs are the forward's own, detached (ratio 1, exactly PPO's first
+        step); ``exp.old_log_prob`` (the rollout's) then only feeds ``actor/ppo_kl``.
 
         Metrics: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
         ``actor/ppo_kl``, ``actor/entropy``, ``actor/grad_norm`` and ``actor/kl_loss``
@@ -80,8 +94,9 @@ class Actor:
                 with_entropy=True,
             )
             mask = micro.response_mask
+            old = logp.detach() if on_policy else micro.old_log_prob
             pg_loss, m = policy_loss(
-                micro.old_log_prob,
+                old,
                 logp,
                 micro.advantages,
                 mask,
@@ -91,6 +106,10 @@ class Actor:
                 global_tokens=divisor,
             )
             metrics = {k: float(v) for k, v in m.items()}
+            if on_policy:  # how far the rollout's log-probs are from the training forward's
+                metrics["rollout_log_prob_kl"] = float(
+                    masked_mean(micro.old_log_prob - logp.detach(), mask)
+                )
             metrics["pg_loss"] = float(pg_loss.detach())
             metrics["entropy"] = float(masked_mean(ent.detach(), mask))
             loss = pg_loss

@@ -99,6 +99,40 @@ def micro_batches(exp, micro_batch_size: int, max_tokens: int | None, packing: b
     return [exp.slice(torch.tensor(ix, dtype=torch.long, device=dev)) for ix in plan]
 
 
+def forward_in_micro_batches(
+    exp: Any,
+    fn: Callable[[Any], torch.Tensor],
+    micro_batch_size: int,
+    max_tokens: int | None,
+    packing: bool = False,
+) -> torch.Tensor:
+    """``fn`` over micro-batches of ``exp`` (a no-grad forward), results in ``exp``'s row order.
+
+    Args:
+        fn: ``micro Experience -> (b, ...)`` tensor.
+        micro_batch_size: sequences per micro-batch when ``max_tokens`` is None.
+        max_tokens: token budget (:func:`verl_ppo.batching.token_budget_micro_batches`;
+            no collective: no-grad forwards need no equal count across ranks).
+
+    Returns:
+        ``(B, ...)``, row ``i`` computed from sequence ``i``.
+    """
+    if max_tokens is None:
+        return torch.cat([fn(mb) for mb in exp.split(micro_batch_size)], 0)
+    from verl_ppo.batching import token_budget_micro_batches
+
+    lengths = exp.attention_mask.sum(-1)
+    plan = token_budget_micro_batches(lengths, max_tokens, "packed" if packing else "padded")
+    out = None
+    for ix in plan:
+        idx = torch.tensor(ix, dtype=torch.long, device=exp.input_ids.device)
+        r = fn(exp.slice(idx))
+        if out is None:
+            out = r.new_zeros((exp.batch_size, *r.shape[1:]))
+        out[idx] = r
+    return out
+
+
 def micro_step(strategy, loss: torch.Tensor, boundary: bool | None) -> None:
     """Backward of one micro-batch's loss (with the strategy's gradient communication), then
     DeepSpeed's step (which only updates at the accumulation boundary). ``boundary``

@@ -9,7 +9,7 @@ from torch import nn
 
 from verl_ppo.algorithms import masked_mean, value_loss_clipped
 from verl_ppo.experience import Experience
-from verl_ppo.roles.common import position_ids_from, run_update
+from verl_ppo.roles.common import forward_in_micro_batches, position_ids_from, run_update
 from verl_ppo.strategy import DeepSpeedStrategy
 
 
@@ -60,6 +60,7 @@ class Critic:
         self.strategy = strategy
         self.packing = packing
         self.max_tokens = max_tokens_per_micro_batch
+        self.max_tokens_no_grad = max_tokens_per_micro_batch
         self.algo = algo
         self.micro_batch_size = micro_batch_size
         self.group = group
@@ -81,8 +82,13 @@ class Critic:
     def compute_values(self, exp: Experience) -> torch.Tensor:
         """Values ``(B, R)`` of the states before each response token, 0 on padding."""
         self.module.eval()
-        parts = [self._values(mb) * mb.response_mask for mb in exp.split(self.micro_batch_size)]
-        return torch.cat(parts, 0)
+        return forward_in_micro_batches(
+            exp,
+            lambda mb: self._values(mb) * mb.response_mask,
+            self.micro_batch_size,
+            self.max_tokens_no_grad,
+            self.packing,
+        )
 
     def update(self, exp: Experience, num_mini_batches: int, ppo_epochs: int) -> dict[str, float]:
         """Clipped value-loss epochs; metrics ``critic/vf_loss``, ``critic/vf_clipfrac``,

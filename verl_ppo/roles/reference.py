@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from verl_ppo.experience import Experience
-from verl_ppo.roles.common import log_prob_fn
+from verl_ppo.roles.common import forward_in_micro_batches, log_prob_fn
 
 
 class Reference:
@@ -15,6 +15,7 @@ class Reference:
         model: a HF causal LM; its parameters are frozen here.
         micro_batch_size: sequences per forward.
         temperature: the rollout temperature.
+        packing, fused: packed sequences; the chunked LM head (:mod:`verl_ppo.roles.fused_head`).
     """
 
     def __init__(
@@ -23,9 +24,12 @@ class Reference:
         micro_batch_size: int,
         temperature: float,
         packing: bool = False,
+        fused: bool = False,
     ) -> None:
         self.model = model.eval()
-        self.lp_fn = log_prob_fn(packing)
+        self.packing = packing
+        self.lp_fn = log_prob_fn(packing, fused)
+        self.max_tokens = self.max_tokens_no_grad = None  # token budgets (set by the trainer)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.micro_batch_size = micro_batch_size
@@ -34,10 +38,12 @@ class Reference:
     @torch.no_grad()
     def compute_log_prob(self, exp: Experience) -> torch.Tensor:
         """Reference log-probs ``(B, R)`` float32 of ``exp``'s responses."""
-        parts = [
-            self.lp_fn(
+        return forward_in_micro_batches(
+            exp,
+            lambda mb: self.lp_fn(
                 self.model, mb.input_ids, mb.attention_mask, exp.prompt_len, self.temperature
-            )[0]
-            for mb in exp.split(self.micro_batch_size)
-        ]
-        return torch.cat(parts, 0)
+            )[0],
+            self.micro_batch_size,
+            self.max_tokens_no_grad,
+            self.packing,
+        )
