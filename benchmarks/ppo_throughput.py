@@ -943,7 +943,7 @@ def main(argv: list[str] | None = None) -> int:
                     reason = "trl is not installed (pip install trl==1.12.0 accelerate)"
                     print(f"# {system} skipped: {reason}")
                     if _rank_world()[0] == 0:
-                        append_records(out, [_skip_record(system, reason)])
+                        append_records(out, [_skip_record(system, reason, s.run_id)])
                     continue
                 steps, stand_ins = run_trl(s, tmp)
                 extra = {"trl_stand_ins": stand_ins, "trl_reward_model_layers": 1}
@@ -972,8 +972,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _skip_record(system: str, reason: str) -> dict[str, Any]:
+def _skip_record(system: str, reason: str, run_id: str | None) -> dict[str, Any]:
     return {
+        "run_id": run_id,
         "benchmark": BENCH,
         "system": system,
         "metric": "skipped",

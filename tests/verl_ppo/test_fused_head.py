@@ -144,18 +144,17 @@ def test_fused_head_bf16_error_within_twice_plain_on_gpu():
         err_p = (p.float() - r.float()).abs().max().item()
         err_f = (f.float() - r.float()).abs().max().item()
         assert err_f <= 2 * err_p + 1e-6, (name, err_f, err_p)
-    # and the memory: the chunked forward + backward never holds (N, V) fp32 logits
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    _grads(
-        lambda h, w, t, T: chunked_head_log_probs(h, w, t, T, with_entropy=True, chunk_rows=256),
-        hb,
-        wb,
-        t,
-        1.0,
-        gl,
-        ge,
+
+    # and the memory: the chunked forward + backward holds far less than the plain path
+    def extra(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _grads(fn, hb, wb, t, 1.0, gl, ge)
+        return torch.cuda.max_memory_allocated() - base
+
+    chunked = extra(
+        lambda h, w, t, T: chunked_head_log_probs(h, w, t, T, with_entropy=True, chunk_rows=256)
     )
-    extra = torch.cuda.max_memory_allocated() - base
-    assert extra < n * v * 4, f"{extra / 2**20:.0f} MiB >= one fp32 copy of the logits"
+    plain_extra = extra(_plain)
+    assert chunked < 0.5 * plain_extra, (chunked / 2**20, plain_extra / 2**20)
