@@ -705,7 +705,7 @@ def floor_record(s: Setup, world: int, base: dict[str, Any]) -> dict[str, Any] |
     step = model_s + gen_s
     tokens = s.rollout_batch * (s.prompt_len + s.response_len)
     return {
-        **{k: base[k] for k in ("benchmark", "device", "versions", "date", "commit", "run_id")},
+        **{k: base.get(k) for k in ("benchmark", "device", "versions", "date", "commit", "run_id")},
         "system": "floor",
         "variant": "model shape at 100% of peak",
         "world_size": world,
@@ -836,7 +836,9 @@ def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
         o = last[("verl_ppo", "default", "tokens_per_s_per_gpu", None)]
         ratio = o["value"] / trl["value"]
         speed = {
-            **{k: o[k] for k in ("benchmark", "device", "versions", "date", "commit", "run_id")},
+            **{
+                k: o.get(k) for k in ("benchmark", "device", "versions", "date", "commit", "run_id")
+            },
             "system": "verl_ppo",
             "variant": "default",
             "world_size": o.get("world_size"),
