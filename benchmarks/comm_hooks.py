@@ -65,7 +65,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -107,6 +106,8 @@ def _importable_checkout() -> None:
 
 _importable_checkout()
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # comm_hooks_report
+from verl_comm.distributed.launch import run_ranks  # noqa: E402  (after the checkout is importable)
+
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 TORCH_FIXED = ("none", "torch_bf16", "torch_fp16")
 REDUCER = {"reducer_none": {}, "reducer_int8": {"gradient_compression": "int8"}}
@@ -728,8 +729,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     deadline = time.monotonic() + args.deadline_s
     status = 0
     for label in labels:
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                   WORLD_SIZE=str(args.world), OMP_NUM_THREADS="1")  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1")
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         for k in SOCKET_ENV:
             env.pop(k, None)
@@ -738,21 +738,10 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         part = out / f".{BENCH}.{label}.part"
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--run-id", args.run_id,
                "--transport", label, "--part", str(part)]  # fmt: skip
-        procs = [
-            subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
-            for r in range(args.world)
-        ]
-        codes: list[int | None] = []
-        try:
-            for p in procs:
-                codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1.0)))
-        except subprocess.TimeoutExpired:
-            print(f"[{label}] past --deadline-s {args.deadline_s:g}: killed", file=sys.stderr)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if len(codes) != len(procs) or any(codes) or not part.exists():
+        res = run_ranks(cmd, args.world, base_env=env, name=f"[{label}]",
+                        deadline_s=max(deadline - time.monotonic(), 1.0))  # fmt: skip
+        if not res.ok or not part.exists():
+            codes = [e.returncode for e in res.exits]
             print(f"[{label}] FAILED, rank exit codes {codes}; no records", file=sys.stderr)
             status = 1
             continue

@@ -51,12 +51,12 @@ if str(REPO) not in sys.path:  # run from a checkout without installing (GPU mac
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from verl_comm.distributed.launch import spawn  # noqa: E402
 from verl_ppo.reshard.engine import ReshardEngine  # noqa: E402
 from verl_ppo.reshard.layout import ParallelLayout  # noqa: E402
 from verl_ppo.reshard.testing import (  # noqa: E402
     expected_rollout,
     random_full_state,
-    spawn_workers,
     train_shards_from_full,
 )
 
@@ -324,9 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": a.warmup if a.warmup is not None else (1 if a.smoke else 3),
     }
     t0 = time.time()
-    per_rank = spawn_workers(
-        os.path.abspath(__file__),
-        "bench_worker",
+    per_rank = spawn(
+        f"{os.path.abspath(__file__)}:bench_worker",
         a.world,
         (opts,),
         timeout_s=550,

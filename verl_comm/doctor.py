@@ -29,13 +29,14 @@ import platform
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from datetime import datetime, timezone
 from importlib import metadata
+
+from verl_comm.distributed.launch import free_port, run_ranks
 
 _VIA = re.compile(
     r"NCCL INFO Channel \d+(?:/\d+)? ?: \d+\[\d+\] -> \d+\[\d+\](?: \[\w+\])? via ([^\n]+)"
@@ -134,12 +135,6 @@ def parse_transports(log: str) -> dict:
     return {"channels": dict(channels), "nccl_version": ver.group(1) if ver else None}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _read_back(f) -> str:
     f.flush()
     f.seek(0)
@@ -164,29 +159,32 @@ def check_distributed(
         # NCCL_DEBUG_FILE is set: keep its lines in per-process files instead.
         env["NCCL_DEBUG"] = "INFO"
         env.setdefault("NCCL_DEBUG_FILE", os.path.join(log_dir, "nccl.%h.%p.log"))
-    port = _free_port()
-    procs, files = [], []
-    for r in range(nproc):
-        cmd = [sys.executable, "-m", "verl_comm.distributed.selftest", "--rank", str(r), "--world",
-               str(nproc), "--port", str(port), "--backend", backend, "--timeout",
-               str(timeout_s), "--iters", str(iters), "--bw-bytes", str(bw_bytes)]  # fmt: skip
-        env_r = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc)}
-        # output to files, not pipes: a chatty rank (NCCL_DEBUG=INFO on stdout) must never
-        # block on a full pipe while the parent waits on another rank
-        out_f = open(os.path.join(log_dir, f"rank{r}.out"), "w+")  # noqa: SIM115
-        err_f = open(os.path.join(log_dir, f"rank{r}.err"), "w+")  # noqa: SIM115
-        files.append((out_f, err_f))
-        procs.append(subprocess.Popen(cmd, stdout=out_f, stderr=err_f, text=True, env=env_r))
-    deadline = time.monotonic() + startup_s + 4 * timeout_s
+    port = free_port()
+    files = [
+        (
+            open(os.path.join(log_dir, f"rank{r}.out"), "w+"),  # noqa: SIM115
+            open(os.path.join(log_dir, f"rank{r}.err"), "w+"),  # noqa: SIM115
+        )
+        for r in range(nproc)
+    ]
+
+    def cmd(r: int) -> list[str]:
+        return [sys.executable, "-m", "verl_comm.distributed.selftest", "--rank", str(r),
+                "--world", str(nproc), "--port", str(port), "--backend", backend, "--timeout",
+                str(timeout_s), "--iters", str(iters), "--bw-bytes", str(bw_bytes)]  # fmt: skip
+
+    # output to files, not pipes: a chatty rank (NCCL_DEBUG=INFO on stdout) must never block
+    # on a full pipe while the parent waits on another rank. Every rank runs to its own end
+    # (each reports the step it failed in) or to the deadline.
+    deadline_s = startup_s + 4 * timeout_s
+    res = run_ranks(
+        cmd, nproc, env=env, master_port=port, deadline_s=deadline_s, stop_on_failure=False,
+        stdout=lambda r: files[r][0], stderr=lambda r: files[r][1], name="doctor",
+        announce=False,
+    )  # fmt: skip
     ranks, logs = [], []
-    for r, p in enumerate(procs):
-        killed = False
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            killed = True
+    for r, ex in enumerate(res.exits):
+        killed = ex.stopped
         stdout, stderr = (_read_back(f) for f in files[r])
         steps = {}
         for ln in stdout.splitlines():
@@ -194,12 +192,13 @@ def check_distributed(
                 rec = json.loads(ln[len("DOCTOR ") :])
                 steps[rec.pop("step")] = rec
         done = all(s in steps for s in ("init", "allreduce_correctness", "latency", "bandwidth"))
-        rank_ok = not killed and p.returncode == 0 and done and all(s["ok"] for s in steps.values())
-        info = {"rank": r, "ok": rank_ok, "returncode": p.returncode, "steps": steps}
+        rank_ok = (
+            not killed and ex.returncode == 0 and done and all(s["ok"] for s in steps.values())
+        )
+        info = {"rank": r, "ok": rank_ok, "returncode": ex.returncode, "steps": steps}
         if killed:
             info["error"] = (
-                f"killed at the {startup_s + 4 * timeout_s:g} s deadline after steps "
-                f"{list(steps) or 'none'}"
+                f"killed at the {deadline_s:g} s deadline after steps {list(steps) or 'none'}"
             )
         elif not rank_ok:
             info["stderr_tail"] = "\n".join(

@@ -3,38 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from verl_comm.distributed import DistContext, init_distributed
+from verl_comm.distributed.launch import free_port
 from verl_comm.nccl import apply_preset, lint
 from verl_comm.nccl.topology import detect_host
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def check_port_free(port: int, host: str = "127.0.0.1") -> None:
-    """Raise a clear error if ``port`` is taken on ``host`` (before any rank starts).
-
-    Raises:
-        OSError: naming the port and the config key that sets it.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            raise OSError(
-                f"port {port} on {host} is already in use: set comm.master_port to a free "
-                "port, or leave it unset to pick one automatically"
-            ) from None
 
 
 def resolve_backend(name: str) -> str:

@@ -123,9 +123,9 @@ def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
     Raises:
         PreflightError: with one message naming the field and the fix.
     """
+    from verl_comm.distributed.launch import check_port_free
     from verl_ppo.data.model_store import ModelStoreError
     from verl_ppo.data.tasks import Task, TaskError
-    from verl_ppo.distributed import check_port_free
 
     try:
         cfg.derived(world_size)

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from verl_comm.bench import report, summary
 from verl_comm.bench.cli import main as bench_main
 from verl_comm.bench.ops import Unsupported, build_case, expected_output, pattern
-from verl_comm.bench.runner import free_port
 from verl_comm.bench.sweep import (
     bandwidths,
     busbw_factor,
@@ -23,6 +22,7 @@ from verl_comm.bench.sweep import (
     parse_size,
     size_sweep,
 )
+from verl_comm.distributed.launch import free_port
 
 MiB = 1 << 20
 

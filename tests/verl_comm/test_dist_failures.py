@@ -17,13 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from verl_comm.distributed.launch import free_port
+
 SCRIPT = Path(__file__).parent / "data" / "dist_scenarios.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 JOBS = {
@@ -38,12 +34,6 @@ JOBS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict[int, dict]]:
     """Run every job of :data:`JOBS` concurrently; ``results[job][rank]`` is a RESULT dict."""
@@ -53,7 +43,7 @@ def results(tmp_path_factory) -> dict[str, dict[int, dict]]:
     env["OMP_NUM_THREADS"] = "1"
     procs: dict[tuple[str, int], subprocess.Popen] = {}
     for job, (scenario, ranks, world, timeout_s) in JOBS.items():
-        port, sync = _free_port(), tmp_path_factory.mktemp(job)
+        port, sync = free_port(), tmp_path_factory.mktemp(job)
         for r in ranks:
             cmd = [
                 sys.executable,

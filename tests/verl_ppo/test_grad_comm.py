@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from verl_comm.distributed.launch import free_port
 
 HERE = Path(__file__).resolve()
 GAS = 2
@@ -166,16 +167,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("grad_comm")
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(HERE), str(r), "2", str(port), str(out_dir)],

@@ -7,13 +7,13 @@ runs several layout pairs and returns a summary the parent asserts on.
 import torch
 import torch.distributed as dist
 
+from verl_comm.distributed.launch import spawn
 from verl_comm.telemetry import CommRecorder
 from verl_ppo.reshard.engine import ReshardEngine
 from verl_ppo.reshard.layout import ParallelLayout as L
 from verl_ppo.reshard.testing import (
     expected_rollout,
     random_full_state,
-    spawn_workers,
     tiny_config,
     train_shards_from_full,
 )
@@ -130,7 +130,7 @@ def _assert_exact(r):
 
 
 def test_reshard_four_processes():
-    res = spawn_workers(__file__, "worker_4", 4, timeout_s=400)
+    res = spawn(f"{__file__}:worker_4", 4, timeout_s=400)
     for rank, r in enumerate(res):
         for key in ("pp2dp2_tp4", "p2p", "zero3"):
             _assert_exact(r[key])
@@ -145,7 +145,7 @@ def test_reshard_four_processes():
 
 
 def test_reshard_eight_processes():
-    res = spawn_workers(__file__, "worker_8", 8, timeout_s=500)
+    res = spawn(f"{__file__}:worker_8", 8, timeout_s=500)
     for r in res:
         _assert_exact(r["tp4dp2_tp2dp4"])
         _assert_exact(r["pp2dp2tp2_tp4dp2"])

@@ -5,7 +5,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import pytest
 import reasoning_gym
 import torch
 
+from verl_comm.distributed.launch import free_port
 from verl_ppo.reward import (
     AsyncRewardScorer,
     RemoteReward,
@@ -41,12 +41,6 @@ def _rg_batch(n=4, seed=11):
         texts,
         entries,
     )
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_round_trip_matches_local_and_health():
@@ -93,7 +87,7 @@ def test_bad_request_and_model_error_are_not_retried():
 
 
 def test_server_down_is_a_clear_error_within_bounded_time():
-    port = _free_port()  # nothing listens there any more
+    port = free_port()  # nothing listens there any more
     url = f"http://127.0.0.1:{port}"
     client = RemoteReward(url, timeout_s=1.0, max_retries=3, backoff_s=0.05)
     t0 = time.perf_counter()

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from verl_comm.distributed.launch import spawn
 from verl_ppo.reshard.config import HybridEngineConfig
-from verl_ppo.reshard.testing import spawn_workers, tiny_config
+from verl_ppo.reshard.testing import tiny_config
 from verl_ppo.rollout.tp_generate import filter_logits, tp_generate
 from verl_ppo.rollout.tp_model import TPCausalLM, TPGroup
 
@@ -131,7 +132,7 @@ def _zero3_deepspeed(rank, world):
 
 
 def test_hybrid_engine_two_processes():
-    res = spawn_workers(__file__, "worker_hybrid", 2, timeout_s=300)
+    res = spawn(f"{__file__}:worker_hybrid", 2, timeout_s=300)
     for r in res:
         for kind in ("qwen2", "gpt2"):
             assert r[f"{kind}_greedy_equal"], (kind, r[f"{kind}_greedy_shapes"])

@@ -13,12 +13,8 @@ import datetime as _dt
 import gc
 import os
 import platform
-import queue as _queue
 import socket
 import statistics
-import sys
-import time
-import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +48,7 @@ from verl_comm.bench.timing import (
     time_bare_all_reduce,
     time_iterations,
 )
+from verl_comm.distributed.launch import spawn
 
 
 @dataclass
@@ -429,13 +426,6 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def free_port() -> int:
-    """A free TCP port on localhost (bind port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _apply_per_rank_env(cfg: BenchConfig, rank: int) -> None:
     for k, v in cfg.per_rank_env.items():
         os.environ[k] = v.replace("{rank}", str(rank))
@@ -464,17 +454,14 @@ def _init_and_run(
         dist.destroy_process_group()
 
 
-def _spawn_entry(rank: int, cfg: BenchConfig, world: int, port: int, results) -> None:
-    try:
-        recs = _init_and_run(cfg, rank, world, rank, f"tcp://127.0.0.1:{port}")
-        results.put((rank, "ok", recs))
-    except BaseException:  # noqa: BLE001 - report any failure to the parent
-        results.put((rank, "error", traceback.format_exc()))
-        sys.exit(1)
+def _spawn_rank(rank: int, world: int, cfg: BenchConfig) -> list[dict]:
+    """One spawned rank (:func:`verl_comm.distributed.launch.spawn` sets the rank variables)."""
+    return _init_and_run(cfg, rank, world, rank, "env://")
 
 
 def launch(cfg: BenchConfig) -> list[dict]:
-    """Run the benchmark: in this process under torchrun, else in ``cfg.nproc`` spawned ones.
+    """Run the benchmark: in this process under torchrun, else in ``cfg.nproc`` ranks started
+    by :func:`verl_comm.distributed.launch.spawn`.
 
     Returns the records of rank 0 (an empty list on other torchrun ranks).
 
@@ -486,52 +473,12 @@ def launch(cfg: BenchConfig) -> list[dict]:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         return _init_and_run(cfg, rank, world, local_rank, "env://")
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_spawn_entry, args=(r, cfg, cfg.nproc, port, results), daemon=False)
-        for r in range(cfg.nproc)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + cfg.launch_timeout_s
-    got: dict[int, tuple[str, object]] = {}
-    try:
-        while len(got) < cfg.nproc:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(
-                    f"benchmark did not finish within --launch-timeout {cfg.launch_timeout_s:g} s"
-                )
-            try:
-                rank, status, payload = results.get(timeout=min(left, 1.0))
-                got[rank] = (status, payload)
-                if status == "error":
-                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            except _queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead and len(got) < cfg.nproc:
-                    time.sleep(1.0)  # let a failing rank's message arrive first
-                    while True:
-                        try:
-                            rank, status, payload = results.get_nowait()
-                            got[rank] = (status, payload)
-                            if status == "error":
-                                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-                        except _queue.Empty:
-                            break
-                    raise RuntimeError(
-                        f"rank process exited with code {dead[0].exitcode} without a result"
-                    ) from None
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    status, payload = got[0]
-    return list(payload)  # type: ignore[arg-type]
+    per_rank = spawn(
+        _spawn_rank,
+        cfg.nproc,
+        (cfg,),
+        backend=None,
+        deadline_s=cfg.launch_timeout_s,
+        name="benchmark",
+    )
+    return list(per_rank[0])

@@ -1,9 +1,6 @@
-"""Helpers shared by the resharding tests and benchmark (like ``torch.testing``).
+"""Helpers shared by the resharding tests and benchmark (like ``torch.testing``); their
+multi-process runs use :func:`verl_comm.distributed.launch.spawn`.
 
-- :func:`spawn_workers`: run ``func(rank, world_size, *args)`` from a file in N spawned
-  gloo/NCCL processes with a TCP rendezvous on a free port, a result queue and a
-  timeout; any worker error is re-raised in the parent with its traceback. The
-  function is named by file path and name, so it works under pytest's importlib mode.
 - :func:`tiny_config`: small Llama / Qwen2 / GPT-2 configs.
 - :func:`random_full_state`: seeded full weights from specs (every rank gets the same).
 - :func:`train_shards_from_full`: what a rank holds in a layout, sliced from full weights.
@@ -11,108 +8,12 @@
 
 from __future__ import annotations
 
-import gc
-import importlib.util
-import os
-import queue
-import socket
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from verl_ppo.reshard.planner import ReshardPlan
 from verl_ppo.reshard.specs import ParamSpec, slice_shard
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(f"_reshard_worker_{abs(hash(path))}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return getattr(mod, name)
-
-
-def _entry(rank, world, port, path, name, args, q, backend, timeout_s):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        out = _load(path, name)(rank, world, *args)
-        q.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 - report every failure to the parent
-        q.put((rank, "error", traceback.format_exc()))
-    finally:
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn_workers(
-    path: str,
-    name: str,
-    world_size: int,
-    args: tuple = (),
-    timeout_s: float = 120.0,
-    backend: str = "gloo",
-) -> list[Any]:
-    """Run ``name`` from file ``path`` as ``f(rank, world_size, *args)`` on ``world_size``
-    spawned processes; return the per-rank results (picklable), rank order.
-
-    Raises:
-        RuntimeError: a worker raised (its traceback is in the message), or did not report
-            within ``timeout_s`` seconds (then all workers are terminated).
-    """
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_entry, args=(r, world_size, port, path, name, args, q, backend, timeout_s)
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors = []
-    try:
-        for _ in range(world_size):
-            try:
-                rank, status, payload = q.get(timeout=timeout_s)
-            except queue.Empty:
-                raise RuntimeError(f"{name}: workers did not report within {timeout_s} s") from None
-            if status == "error":
-                errors.append(f"rank {rank}:\n{payload}")
-                break
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 2)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-    if errors:
-        raise RuntimeError(f"{name} failed on " + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
 
 
 def tiny_config(kind: str = "llama", **overrides: Any):
