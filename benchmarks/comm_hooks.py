@@ -707,18 +707,6 @@ def _check_env(label: str) -> None:
         raise SystemExit("--transport nvlink: unset NCCL_P2P_DISABLE / NCCL_SHM_DISABLE")
 
 
-def _free_port() -> int:
-    try:
-        from verl_comm.distributed.launch import free_port
-    except ImportError:  # before the shared launcher module exists
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    return free_port()
-
-
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Run the ranks as subprocesses, once per transport label, and merge results."""
     default = "local" if args.world == 1 else ("gloo" if args.cpu else "nvlink,socket")

@@ -66,7 +66,7 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=4096)
     a = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(ch._free_port()))
+    os.environ.setdefault("MASTER_PORT", str(ch.free_port()))
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)

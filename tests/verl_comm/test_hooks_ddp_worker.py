@@ -12,7 +12,6 @@ import argparse
 import gc
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -24,18 +23,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from verl_comm.distributed.launch import free_port
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
 
 
 # -- launcher (runs in the pytest process) -------------------------------------------------
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bind to port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_session(

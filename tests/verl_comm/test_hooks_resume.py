@@ -9,7 +9,6 @@ gradients become ready), as after a real resize.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from verl_comm.compression import CompressionConfig
+from verl_comm.distributed.launch import free_port
 from verl_comm.hooks import CommHookState, GradBucket, int8_hook
 
 SHAPES = [(24, 16), (24,), (24, 24), (24,), (8, 24), (8,)]
@@ -90,14 +90,8 @@ def test_load_same_world_size_keeps_state_until_layout_matches():
 # -- multi-process: real DDP on gloo -------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, phase: str, tmp: Path) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=path)

@@ -13,7 +13,6 @@ import datetime
 import gc
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from verl_comm.distributed.launch import free_port
 from verl_comm.reducer import BucketedReducer, GradBucket, TensorSpec, plan_buckets
 
 HERE = Path(__file__).resolve()
@@ -374,14 +374,8 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scenario: str, tmp_path: Path, world: int = 2, timeout: float = 120) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
