@@ -155,25 +155,35 @@ class ExperienceMaker:
         self,
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
+        prompts: list[str],
         responses: torch.Tensor,
         response_mask: torch.Tensor,
         entries: list[dict],
     ) -> RewardBatch:
-        """The CPU :class:`RewardBatch` of padded prompts ``(B, P)`` and responses ``(B, R)``."""
+        """The CPU :class:`RewardBatch` of padded prompts ``(B, P)`` and responses ``(B, R)``.
+
+        ``prompts`` are the B prompt texts as the policy saw them (rendered with its chat
+        template, :meth:`Task.render`), so a classifier reward scores ``prompt + response``:
+        the whole conversation in the model's template.
+        """
         texts = self.decode(responses, response_mask)
         return RewardBatch.from_padded(
             prompt_ids.cpu(),
             prompt_mask.cpu(),
             responses.cpu(),
             response_mask.cpu(),
-            [""] * len(texts),
+            list(prompts),
             texts,
             entries,
         )
 
-    def score(self, prompt_ids, prompt_mask, responses, response_mask, entries) -> torch.Tensor:
+    def score(
+        self, prompt_ids, prompt_mask, prompts, responses, response_mask, entries
+    ) -> torch.Tensor:
         """Scores ``(B,)`` float32 on the device, computed in this thread."""
-        batch = self.reward_batch(prompt_ids, prompt_mask, responses, response_mask, entries)
+        batch = self.reward_batch(
+            prompt_ids, prompt_mask, prompts, responses, response_mask, entries
+        )
         return self.reward_model.score(batch).to(self.device)
 
     def decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -227,6 +237,7 @@ class ExperienceMaker:
                         batch = self.reward_batch(
                             prompt_ids[i : i + mb],
                             prompt_mask[i : i + mb],
+                            texts[i : i + mb],
                             r_i,
                             response_mask_from(r_i, self.tokenizer.eos_token_id, pad),
                             entries[i : i + mb],
@@ -267,7 +278,7 @@ class ExperienceMaker:
                 exp.scores = torch.cat(scores).to(self.device)
                 m.update(self.scorer.metrics(reset=True))
             else:
-                exp.scores = self.score(prompt_ids, prompt_mask, responses, rmask, entries)
+                exp.scores = self.score(prompt_ids, prompt_mask, texts, responses, rmask, entries)
         if hasattr(self.reward_model, "metrics"):
             m.update({k: float(v) for k, v in self.reward_model.metrics().items()})
         return exp, m
@@ -286,7 +297,8 @@ class ExperienceMaker:
         rmask = self._response_mask(resp)
         if texts is not None:
             texts.extend(self.decode(resp, rmask))
-        return self.score(ids, mask, resp, rmask, [s.entry for s in samples])
+        prompts = [s.prompt for s in samples]
+        return self.score(ids, mask, prompts, resp, rmask, [s.entry for s in samples])
 
     def close(self) -> None:
         """Stop the scoring thread and drop the CUDA-graph decoder."""
