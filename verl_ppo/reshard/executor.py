@@ -37,6 +37,15 @@ class ReshardStats:
         peak_extra_bytes: transient buffers (both bucket buffers) plus the rollout shard
             (less what is aliased to training storage).
         buckets: number of buckets run.
+        pack_s: seconds spent copying training slices into the send buffers, summed over
+            buckets (the copies run one after another, so the sum is at most ``time_s``).
+        wire_s: seconds during which at least one bucket was on the wire, from its issue to
+            the observed end of its wait (the union of the buckets' in-flight intervals:
+            at most ``time_s`` although consecutive buckets overlap).
+        unpack_s: seconds spent copying received data into the rollout shards, summed.
+        local_s: seconds of the local (rank-to-itself) copies.
+        None where a method does not measure them. On CUDA all four come from CUDA events
+        on the current stream, read after the final synchronisation.
     """
 
     time_s: float
@@ -46,6 +55,43 @@ class ReshardStats:
     rollout_bytes: int
     peak_extra_bytes: int
     buckets: int
+    pack_s: float | None = None
+    wire_s: float | None = None
+    unpack_s: float | None = None
+    local_s: float | None = None
+
+
+class _Clock:
+    """Time stamps on the host (CPU) or as CUDA events on the current stream (CUDA), turned
+    into seconds since the first stamp once the device is synchronised."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.t0 = self.stamp()
+
+    def stamp(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, stamp) -> float:
+        """Seconds from the first stamp to ``stamp`` (after a device sync on CUDA)."""
+        if self.cuda:
+            return self.t0.elapsed_time(stamp) / 1e3
+        return stamp - self.t0
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``[start, end]`` intervals (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
 
 
 def flat_storage(t: torch.Tensor, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -195,6 +241,9 @@ class ReshardExecutor:
         itemsize = torch.empty((), dtype=dtype).element_size()
         _sync(device)
         t0 = time.perf_counter()
+        self._clock = clock = _Clock(device)
+        self._t_start = time.perf_counter()
+        self._marks: dict[str, list] = {"pack": [], "unpack": [], "local": [], "wire": []}
         outs: dict[int, torch.Tensor] = {}
         for p, _spec in enumerate(plan.specs):
             sh = plan.rollout_shards[r][p]
@@ -211,9 +260,11 @@ class ReshardExecutor:
         pending = None
         for k, (sends, recvs) in enumerate(mine):
             buf = slots[k % 2]
+            a = clock.stamp()
             ssz, rsz = self._pack(sends, recvs, srcs, buf, n)
+            self._marks["pack"].append((a, clock.stamp()))
             send_n, recv_n = sum(ssz), sum(rsz)
-            t_issue = time.perf_counter()
+            t_issue = clock.stamp()
             work = self._launch(buf[:send_n], buf[send_n : send_n + recv_n], ssz, rsz)
             sent += send_n * itemsize
             received += recv_n * itemsize
@@ -228,6 +279,7 @@ class ReshardExecutor:
             self._local_copies(srcs, outs)
         _sync(device)
         elapsed = time.perf_counter() - t0
+        timing = self._timings(elapsed)
         result = {}
         for p, flat in outs.items():
             result[plan.specs[p].name] = flat.view(plan.rollout_shards[r][p].local_shape)
@@ -241,14 +293,53 @@ class ReshardExecutor:
             rollout_bytes=roll_bytes,
             peak_extra_bytes=len(slots) * slot_elems * itemsize + fresh,
             buckets=len(mine),
+            **timing,
         )
         return result, stats
 
+    def _timings(self, elapsed: float) -> dict[str, float]:
+        """Pack/wire/unpack/local seconds from this run's stamps (device synchronised);
+        records one CommRecord per bucket whose ``duration_s`` is the bucket's share of the
+        wire time (its in-flight interval less the part already covered by the previous
+        bucket), so the records sum to ``wire_s``, never more than the wall time."""
+        clock, marks = self._clock, self._marks
+
+        def spans(name: str) -> list[tuple[float, float]]:
+            return [(clock.seconds(a), clock.seconds(b)) for a, b in marks[name]]
+
+        wire = spans("wire")
+        if self.recorder is not None:
+            covered = float("-inf")
+            for (a, b), (_, k, send_n, recv_bytes, itemsize, n) in zip(wire, marks["wire_info"]):
+                share = max(0.0, b - max(a, covered))
+                covered = max(covered, b)
+                self.recorder.record(
+                    CommRecord(
+                        op=self.transport,
+                        nbytes=send_n * itemsize,
+                        group_size=n,
+                        duration_s=share,
+                        tag=f"reshard/bucket{k}",
+                        start_s=self._t_start + a,
+                        extra={"recv_bytes": recv_bytes, "in_flight_s": b - a},
+                    )
+                )
+        out = {
+            "pack_s": sum(b - a for a, b in spans("pack")),
+            "wire_s": union_length(wire),
+            "unpack_s": sum(b - a for a, b in spans("unpack")),
+            "local_s": sum(b - a for a, b in spans("local")),
+        }
+        # CUDA event and host clocks differ by microseconds: keep each within the wall time
+        return {k: min(v, elapsed) for k, v in out.items()}
+
     def _local_copies(self, srcs, outs) -> None:
+        a = self._clock.stamp()
         copy_many(
             [_view(outs[t.param], t.gbox, t.dst_offset, t.dst_strides) for t in self.local],
             [_view(srcs[t.param], t.gbox, t.src_offset, t.src_strides) for t in self.local],
         )
+        self._marks["local"].append((a, self._clock.stamp()))
 
     def _pack(self, sends: list[Transfer], recvs: list[Transfer], srcs, buf: torch.Tensor, n: int):
         ssz, rsz = [0] * n, [0] * n
@@ -281,18 +372,11 @@ class ReshardExecutor:
     def _finish(self, work, recvs, rbuf, send_n, k, t_issue, outs, itemsize, n) -> None:
         for w in work if isinstance(work, list) else [work]:
             w.wait()
-        if self.recorder is not None:
-            self.recorder.record(
-                CommRecord(
-                    op=self.transport,
-                    nbytes=send_n * itemsize,
-                    group_size=n,
-                    duration_s=time.perf_counter() - t_issue,
-                    tag=f"reshard/bucket{k}",
-                    start_s=t_issue,
-                    extra={"recv_bytes": float(rbuf.numel() * itemsize)},
-                )
-            )
+        clock = self._clock
+        done = clock.stamp()
+        self._marks["wire"].append((t_issue, done))
+        info = (None, k, send_n, float(rbuf.numel() * itemsize), itemsize, n)
+        self._marks.setdefault("wire_info", []).append(info)
         o, dsts, views = 0, [], []
         for t in recvs:
             k_ = t.numel
@@ -300,3 +384,4 @@ class ReshardExecutor:
             views.append(rbuf[o : o + k_].view(box_shape(t.gbox)))
             o += k_
         copy_many(dsts, views)
+        self._marks["unpack"].append((done, clock.stamp()))
