@@ -176,3 +176,44 @@ def test_registry_covers_nccl_230_names():
         assert (spec.kind == "enum") == bool(spec.choices), spec
         if spec.min_value is not None and spec.max_value is not None:
             assert spec.min_value <= spec.max_value, spec
+
+
+def test_rules_are_a_table_whose_every_row_fires_and_cites_a_source():
+    from verl_comm.nccl.lint import RULES, SEVERITIES, matching_rule
+
+    host_ifs = HostInfo(
+        interfaces=[Interface("lo", ["127.0.0.1"]), Interface("eth0", ["10.0.0.5"])]
+    )
+    cases = [
+        ("NCCL_SOCKET_TIMEOUT", "1200", {}, HOST),
+        ("NCCL_LL_THRESHOLD", "0", {}, HOST),
+        ("NCCL_BUFSIZE", "1", {}, HOST),
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0", {}, HOST),
+        ("NCCL_NSOCKS_PERTHREAD", "8", {}, HOST),
+        ("NCCL_MIN_NRINGS", "4", {}, HOST),
+        ("NCCL_BUFFSIZE", "08", {}, HOST),
+        ("NCCL_BUFFSIZE", "2M", {}, HOST),
+        ("NCCL_SOCKET_NTHREADS", "65", {}, HOST),
+        ("NCCL_SOCKET_FAMILY", "AF_UNIX", {}, HOST),
+        ("NCCL_P2P_LEVEL", "NVX", {}, HOST),
+        ("NCCL_SOCKET_NTHREADS", "16", {"NCCL_NSOCKS_PERTHREAD": "8"}, HOST),
+        ("NCCL_SOCKET_IFNAME", "ib", {}, host_ifs),
+        ("GLOO_SOCKET_IFNAME", "^lo", {}, host_ifs),
+        ("GLOO_SOCKET_IFNAME", "eth9", {}, host_ifs),
+        ("MASTER_ADDR", "169.254.3.4", {}, HOST),
+        ("MASTER_ADDR", "172.17.0.2", {}, HOST),
+        ("NCCL_IB_DISABLE", "1", {}, IB_HOST),
+        ("NCCL_IB_DISABLE", "1", {}, HOST),
+        ("NCCL_BUFFSIZE", "2097152", {}, HOST),
+        ("NCCL_DEBUG_SUBSYS", "INIT", {}, HOST),
+        ("NCCL_DEBUG", "INFO", {}, HOST),
+    ]
+    fired = set()
+    for name, value, env, host in cases:
+        hit = matching_rule(name, value, {**env, name: value}, host)
+        assert hit is not None, (name, value)
+        fired.add(RULES.index(hit[0]))
+    assert fired == set(range(len(RULES))), sorted(set(range(len(RULES))) - fired)
+    for rule in RULES:
+        assert rule.severity in SEVERITIES and rule.source and "FACTS" not in rule.source
+    assert matching_rule("NCCL_BUFFSIZE", "4194304", {}, HOST) is None
