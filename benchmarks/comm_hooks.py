@@ -1,6 +1,6 @@
 """DDP step time with gradient comm hooks: torch's built-ins vs verl_comm's, side by side.
 
-Workload (``../shared/FACTS.md`` section 1): 2 ranks, DDP over ``nn.Sequential`` of 24 x
+Workload (the DDP baseline of ``benchmarks/results/comm_hooks.md``): 2 ranks, DDP over ``nn.Sequential`` of 24 x
 ``nn.Linear(4096, 4096)`` (402.8 M parameters, fp32 weights), input 4096 x 4096, bf16
 autocast, loss ``mean(out.float()**2)``, SGD, ``bucket_cap_mb=25``.
 

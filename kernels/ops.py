@@ -19,7 +19,7 @@ from . import reference as ref
 from ._common import TINY, check_block, check_codes_scales, check_float_input, resolve_pad
 
 # (elements per program, warps) per kernel; 32 blocks of 128 per program reach ~4.2 TB/s
-# on an H200 (FACTS section 1).
+# on an H200 (benchmarks/results/quant_kernels.md: quantize 8192/8 at 4176 GB/s).
 DEFAULT_LAUNCH: dict[str, tuple[int, int]] = {
     "quantize": (8192, 8),  # 32 elements per thread amortize the per-block divisions
     "quantize_ef": (4096, 8),

@@ -61,7 +61,9 @@ def test_busbw_factors_match_nccl_tests():
     assert busbw_factor("broadcast", 8) == 1.0
     algbw, busbw = bandwidths("all_reduce", 512 * MiB, 1.82e-3, 2)
     assert algbw == pytest.approx(512 * MiB / 1.82e-3 / 1e9)
-    assert busbw == pytest.approx(algbw)  # FACTS 1: 296 GB/s at 2 ranks
+    assert busbw == pytest.approx(
+        algbw
+    )  # 2 ranks: factor 1; 512 MiB in 1.82 ms measured on 2x H200 NVLink
     assert 290 < busbw < 300
     assert all(math.isnan(x) for x in bandwidths("all_reduce", 8, 0.0, 2))
 

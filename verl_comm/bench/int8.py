@@ -3,7 +3,7 @@
 The benchmark needs "sum this float tensor across the group, result into ``out``"; this
 module binds :func:`verl_comm.compression.int8_allreduce.int8_allreduce` (two-step scheme:
 block-quantize, all-to-all of codes + scales, dequantize-sum-requantize by the owner,
-all-gather; FACTS 2) to a process group, and reports a clear reason when the
+all-gather; see that module for its source) to a process group, and reports a clear reason when the
 implementation cannot be imported, so that the ``int8`` method is skipped with that
 message instead of failing the sweep.
 

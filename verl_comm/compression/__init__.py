@@ -2,7 +2,8 @@
 
 * :mod:`.config` — :class:`CompressionConfig`, the single source of defaults.
 * :mod:`.collective` — the transport (:class:`Collective` and implementations).
-* :mod:`.int8_allreduce` — two-step int8 quantized all-reduce (FACTS 2).
+* :mod:`.int8_allreduce` — two-step int8 quantized all-reduce (the all-to-all
+  quantized reduce-scatter of ZeRO++'s qgZ, Wang et al. 2023, then an int8 all-gather).
 * :mod:`.lowrank` — int8 low-rank (PowerSGD, Vogels et al. 2019).
 * :mod:`.policy` — adaptive ``policy: auto``.
 """

@@ -2,7 +2,8 @@
 
 The algorithms in :mod:`verl_comm.compression` never call ``torch.distributed``; they take a
 :class:`Collective`. Every call is *blocking in the caller's body* (start and wait): on gloo,
-starting or waiting on collectives inside a ``Future.then`` callback deadlocks (FACTS 7), so
+starting or waiting on collectives inside a ``Future.then`` callback deadlocks (torch's
+``powerSGD_hook`` hung that way on gloo; see ``docs/ARCHITECTURE.md``, DDP comm hooks), so
 the hooks run their collectives in the hook body. On NCCL a blocking call only makes the
 current CUDA stream wait on NCCL's stream; the hooks run on a side stream so that backward
 compute keeps overlapping (see :mod:`verl_comm.hooks`).

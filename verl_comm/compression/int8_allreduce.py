@@ -1,4 +1,8 @@
-"""int8 quantized all-reduce: the two-step scheme (FACTS 2), collective passed in.
+"""int8 quantized all-reduce: the two-step scheme, collective passed in.
+
+Source: ZeRO++ (Wang et al. 2023, "ZeRO++: Extremely Efficient Collective Communication for
+Giant Model Training", qgZ: all-to-all based quantized gradient reduction), followed here by
+an int8 all-gather of the re-quantized owner blocks.
 
 Why two steps: NCCL's int8 SUM wraps around and each rank's codes have their own scale, so
 int8 codes cannot go through an ordinary all-reduce. Instead (as in a ring all-reduce =
