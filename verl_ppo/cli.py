@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from verl_comm.extras import install_hint
+
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``verl-ppo <command> ...``; returns the exit code."""
@@ -21,16 +23,23 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        from verl_ppo.train import main as train_main
+    if cmd not in ("train", "reward-server"):
+        print(f"verl-ppo: unknown command {cmd!r}\n{usage}", file=sys.stderr)
+        return 2
+    try:
+        if cmd == "train":
+            from verl_ppo.train import main as train_main
 
-        return train_main(rest)
-    if cmd == "reward-server":
+            return train_main(rest)
         from verl_ppo.reward.server import main as server_main
 
         return int(server_main(rest) or 0)
-    print(f"verl-ppo: unknown command {cmd!r}\n{usage}", file=sys.stderr)
-    return 2
+    except ModuleNotFoundError as exc:  # verl_ppo's dependencies are the 'ppo' extra
+        hint = install_hint(exc)
+        if hint is None:
+            raise
+        print(f"verl-ppo: {hint}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from verl_comm.bench.report import measurements
+from verl_comm.extras import require
 
 
 def _series(records: Iterable[dict]) -> dict[tuple, dict[int, dict]]:
@@ -45,8 +46,7 @@ def plot_records(records: Iterable[dict], path: str | os.PathLike, title: str = 
     Raises:
         ValueError: when there are no measurement records to plot.
     """
-    import matplotlib
-
+    matplotlib = require("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from verl_comm.extras import require
 from verl_comm.profiler.analysis import BACKWARD_PHASES, ENVELOPE_OPS
 
 PHASE_ORDER = (
@@ -165,8 +166,7 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
 def plot_report(metrics: dict, path: str | os.PathLike) -> Path:
     """Stacked bars of the top-level phases per step, with communication time per step
     drawn as a black line over them (PNG, matplotlib Agg)."""
-    import matplotlib
-
+    matplotlib = require("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
