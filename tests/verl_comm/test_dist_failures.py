@@ -20,6 +20,7 @@ import pytest
 from verl_comm.distributed.launch import free_port
 
 SCRIPT = Path(__file__).parent / "data" / "dist_scenarios.py"
+GRACE_S = 1.0  # DistContext.report_grace_s: after a timeout, ranks report their position
 
 
 JOBS = {
@@ -140,7 +141,26 @@ def test_without_debug_mode_timeout_names_collective(results):
     res = results["one_rank_only"][0]
     msg = _err(res, "CollectiveTimeoutError")
     assert "all_reduce on the default group (2 ranks)" in msg and "timeout of 3 s" in msg
-    assert 2.5 < res["op_s"] < 3.0 + 2.0
+    assert 2.5 < res["op_s"] < 3.0 + GRACE_S + 2.0
+
+
+@pytest.mark.timeout(200)
+def test_without_debug_mode_timeout_names_sequence_number_and_missing_rank(results):
+    res = results["one_rank_only"][0]  # rank 1 skipped the all-reduce after a barrier
+    msg = _err(res, "CollectiveTimeoutError")
+    assert "all_reduce on the default group (2 ranks) (its collective #1 there)" in msg, msg
+    assert "Ranks [0] reached collective #1; rank(s) [1] did not report reaching it" in msg, msg
+    assert 2.5 < res["op_s"] < 3.0 + GRACE_S + 2.0
+
+
+@pytest.mark.timeout(200)
+def test_subgroup_timeout_names_the_deadline_that_fired(results):
+    res = results["subgroup"][0]  # a 1.5 s sub-group in a job of 3 s
+    own = res["own"]
+    assert own["error_type"] == "CollectiveTimeoutError", own
+    assert "within the sub-group's own timeout of 1.5 s" in own["message"], own["message"]
+    assert "3 s" not in own["message"]
+    assert 1.0 < res["own_op_s"] < 1.5 + GRACE_S + 2.0  # its own deadline fired
 
 
 @pytest.mark.timeout(200)
@@ -148,15 +168,15 @@ def test_subgroup_gets_the_configured_timeout(results):
     res = results["subgroup"][0]
     msg = _err(res, "CollectiveTimeoutError")
     assert "sub-group [0, 1]" in msg
-    assert 2.5 < res["op_s"] < 3.0 + 2.0  # 3 s, not torch's 30 min sub-group default
+    assert 2.5 < res["op_s"] < 3.0 + GRACE_S + 2.0  # 3 s, not torch's 30 min default
 
 
 @pytest.mark.timeout(200)
 def test_rank0_only_section_longer_than_timeout_suggests_helper(results):
     res = results["rank0_long"][1]
     msg = _err(res, "CollectiveTimeoutError")
-    assert "rank0_section" in msg
-    assert 1.5 < res["op_s"] < 2.0 + 2.0
+    assert "rank0_section" in msg and "rank(s) [0] did not report reaching it" in msg
+    assert 1.5 < res["op_s"] < 2.0 + GRACE_S + 2.0
 
 
 @pytest.mark.timeout(200)

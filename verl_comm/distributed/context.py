@@ -32,6 +32,7 @@ import torch.distributed as dist
 from verl_comm.distributed.checks import FingerprintChecker, check_finite
 from verl_comm.distributed.checks import fingerprint as _fp
 from verl_comm.distributed.errors import (
+    CollectiveTimeoutError,
     DistributedError,
     InterfaceError,
     Rank0SectionError,
@@ -119,7 +120,10 @@ class DistContext:
     store: dist.Store
     device: torch.device
     checker: FingerprintChecker | None = None
+    report_grace_s: float = 1.0
     _sections: dict[str, int] = field(default_factory=dict)
+    _timeouts: dict[int, tuple[dist.ProcessGroup, float]] = field(default_factory=dict)
+    _seq: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def from_default_group(cls, timeout_s: float, fingerprint: bool = False) -> DistContext:
@@ -158,18 +162,60 @@ class DistContext:
     def new_group(self, ranks: list[int], timeout_s: float | None = None) -> dist.ProcessGroup:
         """``torch.distributed.new_group`` with this context's timeout (or ``timeout_s``).
 
-        Must be called by every rank (torch's rule), members or not.
+        Must be called by every rank (torch's rule), members or not. The group's own
+        timeout is remembered, so a timeout error on it names that deadline.
         """
-        return new_group(ranks, self.timeout_s if timeout_s is None else timeout_s)
+        t = self.timeout_s if timeout_s is None else timeout_s
+        group = new_group(ranks, t)
+        self._timeouts[id(group)] = (group, t)  # the group is kept alive with its id
+        return group
+
+    def group_timeout_s(self, group: dist.ProcessGroup | None) -> float:
+        """The deadline of collectives on ``group`` (seconds): its own for groups made by
+        :meth:`new_group`, else this context's ``timeout_s``."""
+        entry = self._timeouts.get(id(group)) if group is not None else None
+        return entry[1] if entry is not None and entry[0] is group else self.timeout_s
 
     def _ranks(self, group: dist.ProcessGroup | None) -> list[int]:
         if group is None or group is dist.group.WORLD:
             return list(range(self.world_size))
         return dist.get_process_group_ranks(group)
 
+    def _positions(self, ranks: list[int], key: str, seq: int, op: str) -> str:
+        """After a timeout: post this rank's position on the store and collect the other
+        ranks' for ``report_grace_s`` (only on the error path; healthy collectives pay
+        nothing but a counter). Returns a sentence naming the ranks that never reported."""
+        base = f"verl_comm/timeout/{key}/{seq}"
+        try:
+            self.store.set(f"{base}/{self.rank}", op)
+            others = [r for r in ranks if r != self.rank]
+            deadline = time.monotonic() + self.report_grace_s
+            missing = others
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not self.store.check([f"{base}/{r}"])]
+                if missing:
+                    time.sleep(0.05)
+        except Exception:  # the store is gone (rank 0 exited): nothing more to learn
+            return ""
+        if not missing:
+            return (
+                f" Every rank of the group reached collective #{seq} and timed out too: the "
+                "collective itself stalled (network or backend)."
+            )
+        reached = sorted(set(ranks) - set(missing))
+        return (
+            f" Ranks {reached} reached collective #{seq}; rank(s) {missing} did not report "
+            f"reaching it within {self.report_grace_s:g} s of this rank's deadline (stuck "
+            "elsewhere, skipped it, or dead)."
+        )
+
     @contextmanager
     def _guard(self, op: str, group: dist.ProcessGroup | None, fp: str | None) -> Iterator[None]:
         ranks = self._ranks(group)
+        whole = group is None or group is dist.group.WORLD
+        key = 0 if whole else id(group)
+        seq = self._seq.get(key, 0)
+        self._seq[key] = seq + 1
         if self.checker is not None and fp is not None:
             self.checker.check(ranks, fp)
         try:
@@ -177,9 +223,15 @@ class DistContext:
         except DistributedError:
             raise
         except RuntimeError as e:
-            whole = group is None or group is dist.group.WORLD
             desc = describe_group(None if whole else ranks, self.world_size)
-            raise translate(e, op, desc, self.timeout_s, self.rank) from e
+            limit = self.timeout_s if whole else self.group_timeout_s(group)
+            own = limit != self.timeout_s
+            err = translate(e, op, desc, limit, self.rank, seq=seq, group_own=own)
+            if isinstance(err, CollectiveTimeoutError):
+                gkey = "world" if whole else "-".join(map(str, ranks))
+                text = err.args[0].rstrip(". ") + "."
+                err.args = (text + self._positions(ranks, gkey, seq, op),)
+            raise err from e
 
     # --- collectives --------------------------------------------------------------------
     def all_reduce(

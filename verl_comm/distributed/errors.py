@@ -60,7 +60,14 @@ def describe_group(ranks: list[int] | None, world_size: int) -> str:
 
 
 def translate(
-    exc: BaseException, op: str, group_desc: str, timeout_s: float, rank: int
+    exc: BaseException,
+    op: str,
+    group_desc: str,
+    timeout_s: float,
+    rank: int,
+    *,
+    seq: int | None = None,
+    group_own: bool = False,
 ) -> DistributedError:
     """Turn a backend exception raised by collective ``op`` into a clear error.
 
@@ -68,8 +75,11 @@ def translate(
         exc: what gloo/NCCL/c10d raised.
         op: the collective, e.g. ``"all_reduce"``.
         group_desc: from :func:`describe_group`.
-        timeout_s: the group's configured timeout in seconds.
+        timeout_s: the deadline that applied: the group's own timeout in seconds.
         rank: this process's global rank.
+        seq: this rank's sequence number of the collective on its group (0-based), if known.
+        group_own: the deadline is the sub-group's own (``new_group(..., timeout_s=)``),
+            not the job's.
 
     Returns:
         A :class:`CollectiveTimeoutError` (the backend reports a timeout),
@@ -82,9 +92,11 @@ def translate(
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     low = str(exc).lower()
     if "timed out" in low or "timeout" in low:
+        which = "the sub-group's own timeout" if group_own else "the configured timeout"
+        nth = f" (its collective #{seq} there)" if seq is not None else ""
         return CollectiveTimeoutError(
-            f"rank {rank}: {op} on {group_desc} did not complete within the configured "
-            f"timeout of {timeout_s:g} s. A peer did not join it: it is stuck, dead, issuing a "
+            f"rank {rank}: {op} on {group_desc}{nth} did not complete within {which} of "
+            f"{timeout_s:g} s. A peer did not join it: it is stuck, dead, issuing a "
             f"different collective, or busy elsewhere. Hints: {_HINT_SECTION}; "
             f"{_HINT_FINGERPRINT}. Backend said: {text}"
         )

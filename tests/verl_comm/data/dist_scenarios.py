@@ -47,7 +47,9 @@ def rendezvous(a, out):
 
 
 def one_rank_only(a, out):
+    """After one barrier together, rank 1 skips the next collective (debug mode off)."""
     ctx = _init(a)
+    ctx.barrier()
     if a.rank == 0:
         t0 = time.perf_counter()
         try:
@@ -59,16 +61,24 @@ def one_rank_only(a, out):
 
 
 def subgroup_timeout(a, out):
+    """First a sub-group with its own deadline (half the job's), then one with the job's."""
     ctx = _init(a)
+    own = ctx.new_group([0, 1], timeout_s=a.timeout / 2)
     sub = ctx.new_group([0, 1])
     if a.rank == 0:
+        t0 = time.perf_counter()
+        try:
+            ctx.all_reduce(torch.ones(4), group=own)
+        except Exception as e:
+            out["own"] = {"error_type": type(e).__name__, "message": str(e)}
+        out["own_op_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
             ctx.all_reduce(torch.ones(4), group=sub)
         finally:
             out["op_s"] = time.perf_counter() - t0
     else:
-        time.sleep(a.timeout + 2.5)
+        time.sleep(1.5 * a.timeout + 2 * 1.0 + 2.5)  # both deadlines and report graces
 
 
 def rank0_long_no_helper(a, out):
