@@ -135,6 +135,11 @@ def resolve(cfg: Any, cuda: bool, policy: Any) -> FastPath:
     fp.use_cuda_graph, fp.reasons["rollout.use_cuda_graph"] = _switch(
         cfg.rollout.use_cuda_graph, why_graph, "rollout.use_cuda_graph", "set it to auto or false"
     )
+    if fp.use_cuda_graph:
+        fp.reasons["rollout.use_cuda_graph"] += (
+            "; RMSNorm, RoPE and SiLU-mul of the decode step fused by torch.compile "
+            "(eager if compilation fails, logged)"
+        )
     attn = getattr(policy.config, "_attn_implementation", None) or "sdpa"
     why_pack = (
         None
