@@ -185,7 +185,7 @@ def training_bytes_per_token(model_config: Any, dtype_bytes: int, checkpointing:
     return d.num_layers * layer
 
 
-BUDGET_FRACTION = 0.4
+BUDGET_FRACTION = 0.6
 """Share of the free GPU memory the training micro-batches' activations may take."""
 
 

@@ -158,3 +158,16 @@ def test_fused_head_bf16_error_within_twice_plain_on_gpu():
     )
     plain_extra = extra(_plain)
     assert chunked < 0.5 * plain_extra, (chunked / 2**20, plain_extra / 2**20)
+
+
+def test_entropy_unused_in_the_loss_costs_no_gradient_term():
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(9, 12, generator=g)
+    w = torch.randn(31, 12, generator=g)
+    t = torch.randint(0, 31, (9,), generator=g)
+    ref = _grads(_plain, h, w, t, 1.0, torch.ones(9), torch.zeros(9))
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    logp, ent = chunked_head_log_probs(hh, ww, t, with_entropy=True, chunk_rows=4)
+    logp.sum().backward()  # entropy computed (a metric) but not in the loss
+    torch.testing.assert_close(hh.grad, ref[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ww.grad, ref[3], rtol=1e-5, atol=1e-5)

@@ -80,6 +80,7 @@ class _ChunkedHeadLogProb(torch.autograd.Function):
                 p = torch.exp(z - lse_c[:, None])
                 ent[s : s + chunk] = lse_c - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, ent if entropy else lse)
+        ctx.set_materialize_grads(False)  # an unused entropy (metrics only) costs no backward
         ctx.temperature, ctx.chunk, ctx.entropy = temperature, chunk, entropy
         return (logp, ent) if entropy else (logp, logp.new_zeros(0))
 
@@ -99,7 +100,7 @@ class _ChunkedHeadLogProb(torch.autograd.Function):
                 z = z / T
             lse_c = lse[s : s + chunk, None]
             p = torch.exp(z - lse_c)
-            gl = g_logp[s : s + chunk, None]
+            gl = g_logp[s : s + chunk, None] if g_logp is not None else torch.zeros_like(lse_c)
             if ctx.entropy and g_ent is not None and g_ent.numel():
                 ge = g_ent[s : s + chunk, None]
                 gz = p * (-gl - ge * (z - lse_c + ent[s : s + chunk, None]))
