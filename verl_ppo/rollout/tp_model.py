@@ -274,7 +274,8 @@ class TPCausalLM:
         out = F.scaled_dot_product_attention(
             qg, cache.k[layer], cache.v[layer], attn_mask=mask, scale=1.0 / math.sqrt(hd)
         )
-        return out.view(b, self.nq, t, hd).transpose(1, 2).reshape(b, t, self.nq * hd)
+        # sdpa may return a non-contiguous layout (backend-dependent): reshape, not view
+        return out.reshape(b, self.nq, t, hd).transpose(1, 2).reshape(b, t, self.nq * hd)
 
     def _llama_layer(self, i: int, x, cos, sin, cache, mask, slots):
         w, p, hd = self.w, f"model.layers.{i}.", self.dims.head_dim
