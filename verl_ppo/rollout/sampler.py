@@ -103,7 +103,7 @@ def sample_next(
         tok = logits.argmax(-1)
     else:
         probs = _filter(z, params.top_k, params.top_p).softmax(-1)
-        if generator is not None and generator.device != probs.device:
+        if generator is not None and generator.device.type != probs.device.type:
             tok = torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
         else:
             tok = torch.multinomial(probs, 1, generator=generator)
