@@ -14,6 +14,7 @@ Runs ``python -m verl_ppo.train --config configs/default.yaml seed=S`` once per 
   (held-out eval reward per seed against the step, train reward faint).
 
     python benchmarks/default_job.py --seeds 0 1 2            # ~3 x 6 min on a 2-core CPU
+    python benchmarks/default_job.py --seeds 0 1 2 --parallel # all at once (a busy machine)
     python benchmarks/default_job.py --smoke --out /tmp/x     # CI: tiny model, 2 seeds x 2 steps
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -35,36 +35,46 @@ GAIN_MIN = 0.15
 WALL_MAX_S = 600.0
 
 
-def _cpu_children() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def run_seed(config: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
-    """Run the job for one seed; returns wall/CPU seconds, loads, exit code and its rows.
-
-    Raises:
-        RuntimeError: the job failed (its log's tail in the message).
-    """
+def start_seed(config: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
+    """Start the job for one seed (output to ``run_dir/job.log``); returns its handle."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     cmd = [sys.executable, "-m", "verl_ppo.train", "--config", config, f"seed={seed}"]
     cmd += [f"run_dir={run_dir}", "train.resume=never", *extra]
     run_dir.mkdir(parents=True, exist_ok=True)
-    load0, cpu0, t0 = os.getloadavg()[0], _cpu_children(), time.monotonic()
-    with open(run_dir / "job.log", "w") as log:
-        r = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    wall, cpu, load1 = time.monotonic() - t0, _cpu_children() - cpu0, os.getloadavg()[0]
-    text = (run_dir / "job.log").read_text()
-    if r.returncode:
-        raise RuntimeError(f"seed {seed}: exit code {r.returncode}\n{text[-3000:]}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    log = open(run_dir / "job.log", "w")  # noqa: SIM115 - closed in finish_seed
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return {
+        "proc": p,
+        "log": log,
+        "run_dir": run_dir,
+        "seed": seed,
+        "t0": time.monotonic(),
+        "load_1m_start": os.getloadavg()[0],
+    }
+
+
+def finish_seed(h: dict) -> dict:
+    """Wait for a started job; returns wall and CPU seconds (its own and its ranks', from
+    ``wait4``), the loads, its metric rows and summary line.
+
+    Raises:
+        RuntimeError: the job failed (its log's tail in the message).
+    """
+    _, status, usage = os.wait4(h["proc"].pid, 0)
+    h["proc"].returncode = os.waitstatus_to_exitcode(status)
+    wall = time.monotonic() - h["t0"]
+    h["log"].close()
+    text = (h["run_dir"] / "job.log").read_text()
+    if h["proc"].returncode:
+        raise RuntimeError(f"seed {h['seed']}: exit code {h['proc'].returncode}\n{text[-3000:]}")
+    lines = (h["run_dir"] / "metrics.jsonl").read_text().splitlines()
     summary = [ln for ln in text.splitlines() if "] done | eval" in ln]
     return {
         "wall_s": wall,
-        "cpu_s": cpu,
-        "load_1m_start": load0,
-        "load_1m_end": load1,
-        "rows": rows,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "load_1m_start": h["load_1m_start"],
+        "load_1m_end": os.getloadavg()[0],
+        "rows": [json.loads(x) for x in lines if x],
         "summary_line": summary[-1].split("] ", 1)[-1] if summary else None,
     }
 
@@ -207,7 +217,13 @@ def write(recs: list[dict], out: Path, stem: str) -> None:
         f"run_id {m['run_id']}. Wall time is the whole command (model load, DeepSpeed init, "
         "evals, checkpoint); the CPU is shared with other users, so the 1-minute load "
         "average is recorded and `cpu_s` (CPU seconds of the launcher and its ranks) is "
-        "the contention-free cost.",
+        "the contention-free cost."
+        + (
+            f" The {m['concurrent_runs']} seeds ran at the same time (`--parallel`), so each "
+            "wall time also carries the other seeds' load."
+            if m.get("concurrent_runs", 1) > 1
+            else " The seeds ran one after the other."
+        ),
         "",
         "| seed | eval start | eval end | gain | wall s | cpu s | load 1m start/end "
         "| clip frac step 1 / max | actor grad norm step 1 |",
@@ -244,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--runs", default="runs/default_job", help="parent of the run folders")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps (CI)")
+    p.add_argument(
+        "--parallel", action="store_true", help="run the seeds at once (recorded as such)"
+    )
     a = p.parse_args(argv)
     config, extra, stem = CONFIG, [], "default_job"
     if a.smoke:
@@ -268,11 +287,18 @@ def main(argv: list[str] | None = None) -> int:
         "run_id": uuid.uuid4().hex[:12],
         "overrides": extra,
     }
+    meta["concurrent_runs"] = len(a.seeds) if a.parallel else 1
     results = {}
-    for seed in a.seeds:
-        results[seed] = run_seed(config, seed, REPO / a.runs / f"seed{seed}", extra)
+    if a.parallel:  # all seeds at once: each run's wall time includes the others' load
+        handles = [start_seed(config, s, REPO / a.runs / f"seed{s}", extra) for s in a.seeds]
+        for h in handles:
+            results[h["seed"]] = finish_seed(h)
+    else:
+        for s in a.seeds:
+            results[s] = finish_seed(start_seed(config, s, REPO / a.runs / f"seed{s}", extra))
+    for s, res in results.items():
         print(
-            f"seed {seed}: {results[seed]['summary_line']} (wall {results[seed]['wall_s']:.0f} s)"
+            f"seed {s}: {res['summary_line']} (wall {res['wall_s']:.0f} s, {res['cpu_s']:.0f} cpu s)"
         )
     recs = records(results, meta, cfg.train.num_steps)
     write(recs, Path(a.out), stem)

@@ -655,8 +655,9 @@ class PPOTrainer:
                 self.profiler.output_dir,
             )
         if saved_at != self.step and self.step > 0:
+            t_save = time.perf_counter()
             path = self.save_checkpoint()
-            self.log.info("checkpoint %s", path)
+            self.log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t_save)
         if self.stopped_by:
             self.log.warning(
                 "signal %d: stopped after step %d with a checkpoint; run the same command to "
