@@ -12,6 +12,8 @@ mistake costs seconds, not a model load on every rank:
   the hybrid engine on, its heads, KV heads, intermediate size, vocabulary and layers
   against the training and rollout layouts (the same
   :func:`verl_ppo.reshard.engine.build_plan` checks the engine runs later);
+- the fast-path switches (``rollout.use_cuda_graph``, ``train.sequence_packing``, ...) set
+  explicitly where they cannot apply (no CUDA device, an unsupported model);
 - the communication setup: ``comm.backend`` against this machine, gradient compression
   against each trained role's ZeRO stage (the hooks need stage 0 or 1,
   :mod:`verl_ppo.grad_comm`), ``reward.model``'s spec, and that ``comm.master_port`` and
@@ -73,6 +75,27 @@ def check_hybrid_engine(cfg: PPOConfig, world_size: int, model_config: Any) -> N
         build_plan(model_config, train, rollout, world_size, choose_placement=False)
     except ValueError as exc:
         raise PreflightError(f"{prefix}{exc}") from None
+
+
+def check_fast_path(cfg: PPOConfig, model_config: Any) -> None:
+    """The ``auto``/explicit fast-path settings (:func:`verl_ppo.fast_path.resolve`) against
+    this machine and the model, on a weightless (meta-device) copy of the policy.
+
+    Raises:
+        PreflightError: an explicit setting that cannot apply (e.g. ``rollout.use_cuda_graph:
+            true`` without CUDA), naming the field and the fix.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl_ppo.fast_path import resolve
+
+    with torch.device("meta"):
+        policy = AutoModelForCausalLM.from_config(model_config)
+    try:
+        resolve(cfg, torch.cuda.is_available(), policy)
+    except ConfigError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def check_comm(cfg: PPOConfig) -> None:
@@ -142,6 +165,7 @@ def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
     except (ModelStoreError, ValueError, OSError) as exc:
         raise PreflightError(f"model: {exc}") from None
     check_hybrid_engine(cfg, world_size, model_config)
+    check_fast_path(cfg, model_config)
     check_comm(cfg)
     ports = [
         ("comm.master_port", cfg.comm.master_port if check_port else None, "127.0.0.1"),

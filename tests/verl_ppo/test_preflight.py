@@ -93,3 +93,10 @@ def test_compression_backend_reward_and_ports(tmp_path):
         port = s.getsockname()[1]
         with pytest.raises(PreflightError, match=f"port {port} .* set monitor.prometheus_port"):
             preflight(build_config({"monitor": {"prometheus_port": port}}), 2)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU refusal")
+def test_fast_path_switch_that_cannot_apply_on_this_machine():
+    cfg = build_config({"rollout": {"use_cuda_graph": True}})
+    with pytest.raises(PreflightError, match="rollout.use_cuda_graph=true cannot apply: no CUDA"):
+        preflight(cfg, 2)
