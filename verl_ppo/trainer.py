@@ -611,6 +611,14 @@ class PPOTrainer:
             summary.eval_start = e0
             self.tracking.log({"eval/reward": e0}, step=0)
             self.log.info("%s", format_samples("held-out samples at step 0 (greedy):", samples))
+        elif self.step >= total:
+            self.log.warning(
+                "%s already holds step %d of %d: nothing to train (raise train.num_steps to "
+                "continue, or train.resume=never to start over)",
+                cfg.run_dir,
+                self.step,
+                total,
+            )
         elif self.step:
             self.log.info("resuming at step %d of %d", self.step, total)
         stop = StopRequest().install()
@@ -654,7 +662,7 @@ class PPOTrainer:
                 self.profiler.output_dir,
                 self.profiler.output_dir,
             )
-        if saved_at != self.step and self.step > 0:
+        if out and saved_at != self.step:
             t_save = time.perf_counter()
             path = self.save_checkpoint()
             self.log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t_save)
