@@ -15,6 +15,8 @@ Runs ``python -m verl_ppo.train --config configs/default.yaml seed=S`` once per 
 
     python benchmarks/default_job.py --seeds 0 1 2            # ~3 x 6 min on a 2-core CPU
     python benchmarks/default_job.py --seeds 0 1 2 --parallel # all at once (a busy machine)
+    python benchmarks/default_job.py --seeds 2 --run-only     # one seed now ...
+    python benchmarks/default_job.py --seeds 0 1 2 --collect  # ... the records of all later
     python benchmarks/default_job.py --smoke --out /tmp/x     # CI: tiny model, 2 seeds x 2 steps
 """
 
@@ -33,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/default.yaml"
 GAIN_MIN = 0.15
 WALL_MAX_S = 600.0
+RESULT = "default_job_result.json"
 
 
 def start_seed(config: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
@@ -50,6 +53,7 @@ def start_seed(config: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
         "seed": seed,
         "t0": time.monotonic(),
         "load_1m_start": os.getloadavg()[0],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
@@ -67,16 +71,30 @@ def finish_seed(h: dict) -> dict:
     text = (h["run_dir"] / "job.log").read_text()
     if h["proc"].returncode:
         raise RuntimeError(f"seed {h['seed']}: exit code {h['proc'].returncode}\n{text[-3000:]}")
-    lines = (h["run_dir"] / "metrics.jsonl").read_text().splitlines()
     summary = [ln for ln in text.splitlines() if "] done | eval" in ln]
-    return {
+    res = {
         "wall_s": wall,
         "cpu_s": usage.ru_utime + usage.ru_stime,
         "load_1m_start": h["load_1m_start"],
         "load_1m_end": os.getloadavg()[0],
-        "rows": [json.loads(x) for x in lines if x],
         "summary_line": summary[-1].split("] ", 1)[-1] if summary else None,
+        "concurrent_runs": h.get("concurrent_runs", 1),
+        "started": h["started"],
     }
+    (h["run_dir"] / RESULT).write_text(json.dumps(res))
+    return load_seed(h["run_dir"])
+
+
+def load_seed(run_dir: Path) -> dict:
+    """A finished seed's measurements (``RESULT``, written by :func:`finish_seed`) and its
+    metric rows; lets ``--collect`` build one record set from seeds run separately.
+
+    Raises:
+        FileNotFoundError: the seed has not finished.
+    """
+    res = json.loads((run_dir / RESULT).read_text())
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {**res, "rows": [json.loads(x) for x in lines if x]}
 
 
 def check(rows: list[dict], num_steps: int) -> tuple[float, float]:
@@ -128,6 +146,7 @@ def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
                 "tokens_per_s": sum(r["perf/tokens"] for r in steps)
                 / max(sum(r["timing_s/step"] for r in steps), 1e-9),
                 "summary_line": res["summary_line"],
+                "started": res.get("started"),
             }
         )
         for r in res["rows"]:
@@ -263,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--parallel", action="store_true", help="run the seeds at once (recorded as such)"
     )
+    p.add_argument(
+        "--collect", action="store_true", help="only write the records of seeds already run"
+    )
+    p.add_argument("--run-only", action="store_true", help="run the seeds, write no records")
     a = p.parse_args(argv)
     config, extra, stem = CONFIG, [], "default_job"
     if a.smoke:
@@ -289,9 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     meta["concurrent_runs"] = len(a.seeds) if a.parallel else 1
     results = {}
-    if a.parallel:  # all seeds at once: each run's wall time includes the others' load
+    if a.collect:  # seeds run by earlier invocations (e.g. one at a time on a busy machine)
+        results = {s: load_seed(REPO / a.runs / f"seed{s}") for s in a.seeds}
+        meta["concurrent_runs"] = max(r["concurrent_runs"] for r in results.values())
+    elif a.parallel:  # all seeds at once: each run's wall time includes the others' load
         handles = [start_seed(config, s, REPO / a.runs / f"seed{s}", extra) for s in a.seeds]
         for h in handles:
+            h["concurrent_runs"] = len(handles)
             results[h["seed"]] = finish_seed(h)
     else:
         for s in a.seeds:
@@ -300,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"seed {s}: {res['summary_line']} (wall {res['wall_s']:.0f} s, {res['cpu_s']:.0f} cpu s)"
         )
+    if a.run_only:
+        return 0
     recs = records(results, meta, cfg.train.num_steps)
     write(recs, Path(a.out), stem)
     target = recs[-1]
