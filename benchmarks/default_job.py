@@ -117,6 +117,16 @@ def check(rows: list[dict], num_steps: int) -> tuple[float, float]:
 
 def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
     """The JSON records of one run (all seeds, one ``run_id``)."""
+    import calendar
+
+    def span(res: dict) -> tuple[float, float]:
+        t0 = calendar.timegm(time.strptime(res["started"], "%Y-%m-%dT%H:%M:%SZ"))
+        return t0, t0 + res["wall_s"]
+
+    def overlapping(seed: int) -> list[int]:
+        a0, a1 = span(results[seed])
+        return [s for s, r in results.items() if s != seed and span(r)[0] < a1 and a0 < span(r)[1]]
+
     out = []
     starts, gains, walls = [], [], []
     for seed, res in sorted(results.items()):
@@ -147,6 +157,7 @@ def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
                 / max(sum(r["timing_s/step"] for r in steps), 1e-9),
                 "summary_line": res["summary_line"],
                 "started": res.get("started"),
+                "overlapping_seeds": overlapping(seed),
             }
         )
         for r in res["rows"]:
@@ -236,21 +247,17 @@ def write(recs: list[dict], out: Path, stem: str) -> None:
         f"run_id {m['run_id']}. Wall time is the whole command (model load, DeepSpeed init, "
         "evals, checkpoint); the CPU is shared with other users, so the 1-minute load "
         "average is recorded and `cpu_s` (CPU seconds of the launcher and its ranks) is "
-        "the contention-free cost."
-        + (
-            f" The {m['concurrent_runs']} seeds ran at the same time (`--parallel`), so each "
-            "wall time also carries the other seeds' load."
-            if m.get("concurrent_runs", 1) > 1
-            else " The seeds ran one after the other."
-        ),
+        "the contention-free cost. `ran with seeds`: the seeds whose runs overlapped in time "
+        "(each carries the others' load too).",
         "",
-        "| seed | eval start | eval end | gain | wall s | cpu s | load 1m start/end "
-        "| clip frac step 1 / max | actor grad norm step 1 |",
-        "|---:|---:|---:|---:|---:|---:|---|---|---:|",
+        "| seed | started (UTC) | ran with seeds | eval start | eval end | gain | wall s | cpu s "
+        "| load 1m start/end | clip frac step 1 / max | actor grad norm step 1 |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in per_seed:
         lines.append(
-            f"| {r['seed']} | {r['eval_start']:.3f} | {r['eval_end']:.3f} | {r['value']:+.3f} "
+            f"| {r['seed']} | {r['started']} | {r['overlapping_seeds'] or '-'} "
+            f"| {r['eval_start']:.3f} | {r['eval_end']:.3f} | {r['value']:+.3f} "
             f"| {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['load_1m_start']:.1f} / "
             f"{r['load_1m_end']:.1f} | {r['clipfrac_step1'] or 0:.4f} / {r['clipfrac_max']:.4f} "
             f"| {r['actor_grad_norm_step1'] or 0:.3g} |"
