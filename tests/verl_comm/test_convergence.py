@@ -4,11 +4,20 @@ Task: teacher-student regression with a tiny MLP (32 -> 64 -> 64 -> 8, tanh), Ad
 batch 32 per rank, different data per rank, DDP with the hook of each setting
 (``test_hooks_ddp_worker.CONV_SETTINGS``), default ``start_iter=2``, error feedback on
 unless the setting says otherwise. Metric: the evaluation MSE on 512 fixed points after the
-last step. Margin: ``2 x`` the seed-to-seed standard deviation of the uncompressed run's
-final loss (measured, not assumed); a setting passes when the mean over seeds of its final
-loss is within that margin of the uncompressed mean (or below it).
+last step. Margin, from the measured seed noise: with ``sigma`` the seed-to-seed standard
+deviation of the uncompressed run's final loss and ``n`` seeds, the difference of two
+``n``-seed means of runs that differ only by seed has standard deviation
+``sigma * sqrt(2 / n)``; the margin is twice that. A setting passes when the mean over seeds
+of its final loss is at most that margin above the uncompressed mean. (Compressed and
+uncompressed runs share each seed's initialisation and data, so their difference is less
+noisy than that: the margin errs on the side of passing.) Everything is seeded and
+deterministic on the CPU, so a result does not change between runs of the same code.
 
-* CI (``test_convergence_short``): 3 settings, 2 seeds, 80 steps.
+* CI (``test_convergence_short``): 4 settings, 3 seeds, 120 steps; int8 must be within the
+  margin and low rank r4 without error feedback outside it, as in the full run (measured
+  at 120 steps: seed std 1.2e-4, margin 2.0e-4, gap 9.3e-4 without error feedback, 3.4e-4
+  with it: r4 has not caught up yet, so CI only asserts that error feedback recovers most
+  of the gap).
 * Full measurement (marked ``slow``, runs with ``VERL_COMM_RUN_SLOW=1``, ~6 min on 2 cores;
   or run this file as a script): all settings, 5 seeds, 300 steps; the script writes ``benchmarks/results/convergence.jsonl`` and ``convergence.md``::
 
@@ -38,6 +47,7 @@ worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
 ROOT = Path(__file__).resolve().parents[2]
+SHORT_STEPS, SHORT_SEEDS = 120, 3
 
 
 def measure(steps: int, seeds: int, settings: list[str], tmp: Path) -> dict:
@@ -58,12 +68,13 @@ def measure(steps: int, seeds: int, settings: list[str], tmp: Path) -> dict:
 
 
 def summarize(results: dict) -> dict:
-    """Mean/std per setting, the margin (2 x seed std of 'none') and pass/fail."""
+    """Mean/std per setting, the margin (``2 sigma sqrt(2 / n)``, sigma the seed std of
+    'none', n seeds; see the module docstring) and pass/fail."""
     names = sorted({k[0] for k in results}, key=lambda n: (n != "none", n))
     per = {n: [v["eval_loss"] for (s, _), v in results.items() if s == n] for n in names}
     base = per["none"]
     noise = statistics.stdev(base) if len(base) > 1 else 0.0
-    margin = 2 * noise
+    margin = 2 * noise * (2 / len(base)) ** 0.5
     base_mean = statistics.fmean(base)
     out = {}
     for n in names:
@@ -87,16 +98,23 @@ def summarize(results: dict) -> dict:
 
 @pytest.mark.timeout(300)
 def test_convergence_short(tmp_path):
-    settings = ["int8", "lowrank_int8_r4"]
-    summary = summarize(measure(80, 2, settings, tmp_path))
+    settings = ["int8", "lowrank_int8_r4", "lowrank_int8_r4_no_ef"]
+    summary = summarize(measure(SHORT_STEPS, SHORT_SEEDS, settings, tmp_path))
     base = summary["none"]
     assert base["mean_eval_loss"] < 0.5 * base["mean_initial_loss"]  # it learns
+    assert base["seed_std_none"] > 0  # the margin comes from a measured spread
     for n in settings:
         s = summary[n]
         assert s["mean_eval_loss"] < 0.5 * s["mean_initial_loss"], (n, s)
-        # short run, 2 seeds: allow the measured noise or 25 % of the loss, whichever is larger
-        assert s["gap"] <= max(s["margin"], 0.25 * base["mean_eval_loss"]), (n, s)
         assert s["wire_bytes_per_step"] < s["plain_bytes_per_step"]
+    assert summary["int8"]["within_margin"], summary["int8"]
+    # the failure the full run found must fail here too: r4 without error feedback
+    no_ef, ef = summary["lowrank_int8_r4_no_ef"], summary["lowrank_int8_r4"]
+    assert not no_ef["within_margin"], no_ef
+    # after 120 steps r4 with error feedback still trails by a few sigma (measured: gap
+    # 3.4e-4 vs margin 2.0e-4; within the margin after 300 steps), but error feedback
+    # recovers most of what r4 loses without it
+    assert ef["gap"] < 0.5 * no_ef["gap"], (ef, no_ef)
 
 
 @pytest.mark.slow
@@ -107,8 +125,9 @@ def test_convergence_short(tmp_path):
 def test_convergence_full(tmp_path):
     summary = summarize(measure(300, 5, list(worker.CONV_SETTINGS), tmp_path))
     for n, s in summary.items():
-        if "no_ef" not in n:  # without error feedback a gap is expected (reported only)
+        if "no_ef" not in n:  # without error feedback a gap is expected
             assert s["within_margin"], (n, s)
+    assert not summary["lowrank_int8_r4_no_ef"]["within_margin"]
 
 
 def _commit() -> str:
@@ -145,8 +164,9 @@ def write_results(results: dict, summary: dict, out: Path, steps: int) -> None:
         "# Convergence: compressed vs uncompressed gradients",
         "",
         f"Tiny MLP teacher-student regression, 2 gloo ranks (CPU), Adam 3e-3, {steps} steps, "
-        f"{seeds} seeds, start_iter 2. Margin = 2 x seed-to-seed std of the uncompressed "
-        f"final eval loss = {summary['none']['margin']:.4g}. Commit {common['commit']}, "
+        f"{seeds} seeds, start_iter 2. Margin = 2 sigma sqrt(2/n), sigma the seed-to-seed "
+        f"std of the uncompressed final eval loss, n = {seeds} seeds: "
+        f"{summary['none']['margin']:.4g}. Commit {common['commit']}, "
         f"{common['date']}.",
         "",
         "| setting | mean eval loss | std | gap vs none | within margin | bytes/step (rank) "
