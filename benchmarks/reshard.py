@@ -51,13 +51,14 @@ if str(REPO) not in sys.path:  # run from a checkout without installing (GPU mac
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from verl_comm.distributed import DistContext  # noqa: E402
 from verl_comm.distributed.launch import spawn  # noqa: E402
 from verl_ppo.reshard.engine import ReshardEngine  # noqa: E402
 from verl_ppo.reshard.layout import ParallelLayout  # noqa: E402
 from verl_ppo.reshard.testing import (  # noqa: E402
+    emulated_train_shards,
     expected_rollout,
     random_full_state,
-    train_shards_from_full,
 )
 
 BENCH = "reshard"
@@ -127,10 +128,11 @@ def bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
     cfg = qwen25_05b() if opts["model"] == "qwen2.5-0.5b" else small_qwen(world)
     out = []
     full = None
+    ctx = DistContext.from_default_group(opts.get("timeout_s", 600.0))
     for train, roll in pairs_for(world):
         engines = {
             m: ReshardEngine(
-                cfg, train, roll, bucket_bytes=opts["bucket_mb"] << 20, **_ENGINE_ARGS[m]
+                cfg, train, roll, bucket_bytes=opts["bucket_mb"] << 20, ctx=ctx, **_ENGINE_ARGS[m]
             )
             for m in METHODS
         }
@@ -138,7 +140,7 @@ def bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
         if full is None:
             full = random_full_state(plan.specs, seed=0, dtype=dtype, device=device)
         model_bytes = sum(t.numel() * t.element_size() for t in full.values())
-        shards = train_shards_from_full(plan, rank, full)
+        shards = emulated_train_shards(plan, rank, full)
         expected = expected_rollout(plan, rank, full)
         for m, eng in engines.items():  # numerics first
             got = eng.reshard(shards)

@@ -403,6 +403,9 @@ class PPOConfig(_Strict):
                 "train.fused_log_probs=true with actor.zero_stage=3: ZeRO-3 partitions the LM "
                 "head weight; set train.fused_log_probs=auto"
             )
+        from verl_ppo.pipeline.checks import check_pipeline_config
+
+        check_pipeline_config(self)
         pr = self.profiler
         if pr.enable:
             bad = [s for s in pr.steps if not 1 <= s <= t.num_steps]

@@ -214,9 +214,8 @@ class ExperienceMaker:
             rollout_model = None
             if self.hybrid is not None:
                 with timer.phase("reshard"):
-                    rollout_model = stack.enter_context(
-                        self.hybrid.rollout(self.actor.strategy.engine)
-                    )
+                    held = self.actor.strategy.hf_named_parameters()  # real holdings
+                    rollout_model = stack.enter_context(self.hybrid.rollout(held))
             with timer.phase("gen"):
                 self.actor.module.eval()
                 for i in range(0, B, mb):
@@ -285,14 +284,15 @@ class ExperienceMaker:
 
     @torch.no_grad()
     def greedy_scores(
-        self, split: str, indices: list[int], texts: list[str] | None = None
+        self, split: str, indices: list[int], texts: list[str] | None = None, model: Any = None
     ) -> torch.Tensor:
         """Scores ``(len(indices),)`` float32 of greedy responses (at most
         ``rollout.eval_max_new_tokens``) to the samples ``indices`` of ``split``; the decoded
         responses are appended to ``texts`` when given (the printed eval samples)."""
         samples = [self.task.sample(self.tokenizer, split, j) for j in indices]
         ids, mask = self.encode([s.prompt for s in samples])
-        seqs = self.generate(ids, mask, True, self.config.rollout.eval_max_new_tokens, 0).sequences
+        max_new = self.config.rollout.eval_max_new_tokens
+        seqs = self.generate(ids, mask, True, max_new, 0, model).sequences  # model: TP rollout
         resp = seqs[:, ids.shape[1] :]
         rmask = self._response_mask(resp)
         if texts is not None:

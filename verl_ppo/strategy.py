@@ -80,6 +80,14 @@ def ds_config(
     return cfg
 
 
+def data_parallel_layout(engine: Any) -> Any:
+    """The :class:`~verl_ppo.reshard.layout.ParallelLayout` a (non-pipeline) DeepSpeed engine
+    runs: DP over its data-parallel world, TP 1, its ZeRO stage."""
+    from verl_ppo.reshard.layout import ParallelLayout
+
+    return ParallelLayout(1, int(engine.dp_world_size), 1, int(engine.zero_optimization_stage()))
+
+
 class DeepSpeedStrategy:
     """Owns one DeepSpeed engine and its gradient communication: init, backward, step,
     save/load.
@@ -160,6 +168,17 @@ class DeepSpeedStrategy:
     def module(self) -> torch.nn.Module:
         """The wrapped model."""
         return self.engine.module
+
+    @property
+    def layout(self) -> Any:
+        """The training layout this engine runs: :func:`data_parallel_layout`."""
+        return data_parallel_layout(self.engine)
+
+    def hf_named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Parameters by HF name (full tensors; ZeRO-3: ``ds_tensor`` partitions inside)."""
+        from verl_ppo.reshard.hybrid import named_parameters
+
+        return named_parameters(self.engine)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of a loss already scaled for accumulation (no extra 1/GAS), then

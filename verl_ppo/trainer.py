@@ -18,6 +18,7 @@ communicates: the gradient reducers, the metric and evaluation reductions, the r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
@@ -60,6 +61,7 @@ from verl_ppo.models import (
 )
 from verl_ppo.monitor import PrometheusMonitor
 from verl_ppo.perf import ModelFlops, device_peaks, phase_perf
+from verl_ppo.pipeline.checks import check_pipeline_world, pipeline_degree
 from verl_ppo.reshard.hybrid import HybridEngine
 from verl_ppo.reward import build_reward_model
 from verl_ppo.reward.base import RewardModel
@@ -114,6 +116,8 @@ class PPOTrainer:
         """Build models, engines, task and reward (collective across ranks)."""
         cfg = self.config
         self._t_setup = time.time()
+        if "WORLD_SIZE" in os.environ:  # layouts against the world, before any group starts
+            check_pipeline_world(cfg, int(os.environ["WORLD_SIZE"]))
         self.ctx, self._owns_group = ensure_process_group(cfg)
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.group = self.ctx.group  # data-parallel group: every rank
@@ -143,15 +147,20 @@ class PPOTrainer:
             overrides=cfg.data.task_kwargs,
         )
         self.reward_model = self._build_reward()
-        self._build_roles()
+        self.pipeline: Any = None
+        if pipeline_degree(cfg) > 1:  # PP x DP on DeepSpeed's pipeline engine
+            self._build_pipeline_roles()
+        else:
+            self._build_roles()
         self.hybrid = None
         he = cfg.actor.model_config_.hybrid_engine
         if he.enable:
             self.hybrid = HybridEngine.build(
-                self.actor.module.config,
+                self.policy_config,
                 he,
+                self.actor.strategy.layout,  # the layout the engine really runs
+                ctx=self.ctx,
                 recorder=self.recorder,
-                zero_stage=cfg.actor.zero_stage,
             )
         self.experience_maker = ExperienceMaker(
             cfg,
@@ -204,6 +213,7 @@ class PPOTrainer:
             policy.gradient_checkpointing_enable()
         ref_model = copy.deepcopy(policy)
         check_uniform_dtype(policy, self.dtype, "actor")
+        self.policy_config = policy.config
         self.fast = resolve_fast_path(cfg, self.cuda, policy)
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
         # copied before the actor engine exists: ZeRO-3 partitions the policy's parameters
@@ -265,6 +275,28 @@ class PPOTrainer:
                 self.log.info(
                     "fast path: no MFU metrics (no peak FLOP/s known for %s)", self.device
                 )
+
+    def _build_pipeline_roles(self) -> None:
+        """Actor, reference and (GAE) critic as DeepSpeed pipeline engines: this rank builds
+        and holds its stage only (:mod:`verl_ppo.pipeline`)."""
+        from verl_ppo.pipeline.build import build_pipeline_roles, pipeline_fast_path
+
+        cfg = self.config
+        self.use_critic = cfg.algorithm.adv_estimator == "gae"
+        roles = build_pipeline_roles(cfg, self.tokenizer, self.dtype, self.world, self.use_critic)
+        self.pipeline = roles
+        self.policy_config = roles.hf_config
+        self.fast = pipeline_fast_path(cfg)
+        self.actor, self.critic, self.reference = roles.actor, roles.critic, roles.reference
+        self.engines = dict(roles.engines)
+        self.model_flops = ModelFlops.of(roles.hf_config)
+        self.peaks = device_peaks(self.device)
+        if self.rank == 0:
+            self.log.info(
+                "pipeline: %s, stage params per role %s",
+                roles.layout.describe(),
+                roles.memory_metrics(),
+            )
 
     def _size_token_budget(self, model_config: Any) -> None:
         """``train.max_tokens_per_micro_batch: auto``: on CUDA, from the memory free now
@@ -387,13 +419,21 @@ class PPOTrainer:
         cfg = self.config
         timer = PhaseTimer(profiler=self.profiler, sync_cuda=self.cuda)
         exp, m = self.experience_maker.make_experience(step, timer)
+        local = exp  # this rank's rollout (perf and rollout metrics count it once)
+        if self.pipeline is not None:  # the stages of a pipeline train on the same batch
+            exp = self.pipeline.gather(exp, self.d.num_mini_batches, self.tokenizer.pad_token_id)
+            extra = self.hybrid.last_metrics.get("memory/rollout_extra_param_bytes", 0.0)
+            m.update(self.pipeline.memory_metrics(extra))
         self._score_tokens(exp, timer)
         with timer.phase("adv"):
-            m.update(self._advantages(exp))
+            if self.pipeline is not None:  # batch statistics over each rank's own rollout
+                m.update(self.pipeline.per_rollout(exp, self._advantages))
+            else:
+                m.update(self._advantages(exp))
         m.update(self._update(exp, timer))
         m.update(timer.metrics())
-        m.update(self._perf_metrics(timer.times, exp))
-        m.update(rollout_metrics(exp, cfg.rollout.max_new_tokens))
+        m.update(self._perf_metrics(timer.times, local))
+        m.update(rollout_metrics(local, cfg.rollout.max_new_tokens))
         m.update(self._comm_metrics())
         m = self._reduce_metrics(m)
         if self.monitor is not None:
@@ -504,12 +544,17 @@ class PPOTrainer:
         }
 
     def _reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
-        """Mean over the data-parallel ranks of every metric (one float64 all-reduce)."""
+        """Mean over the ranks of every metric (one float64 all-reduce); keys ending in
+        ``_max`` (per-rank peaks) are reduced by maximum instead."""
         keys = sorted(m)
         t = torch.tensor([m[k] for k in keys], dtype=torch.float64)
+        is_max = torch.tensor([k.endswith("_max") for k in keys])
         if self.world > 1:
+            peak = self.ctx.all_reduce(
+                t.clone().to(self.ctx.device), op=dist.ReduceOp.MAX, group=self.group, name="peaks"
+            )
             t = self.ctx.all_reduce(t.to(self.ctx.device), group=self.group, name="metrics")
-            t = t.cpu() / self.world
+            t = torch.where(is_max, peak.cpu(), t.cpu() / self.world)
         return dict(zip(keys, t.tolist()))
 
     @torch.no_grad()
@@ -520,27 +565,41 @@ class PPOTrainer:
             keep: when given, this rank appends :class:`verl_ppo.report.Sample` triples
                 (question, response, reward) of its first ``SAMPLES_SHOWN`` prompts to it.
         """
-        from verl_ppo.report import Sample
-
         n = len(self.task.eval)
         mine = list(range(self.rank, n, self.world))
         total = torch.zeros(2, dtype=torch.float64)
         bs = max(self.d.local_rollout_batch_size, 1)
         self.actor.module.eval()
-        for i in range(0, len(mine), bs):
-            idx = mine[i : i + bs]
-            texts: list[str] | None = [] if keep is not None and len(keep) < SAMPLES_SHOWN else None
-            scores = self.experience_maker.greedy_scores("eval", idx, texts)
-            total += torch.tensor([float(scores.sum()), len(idx)], dtype=torch.float64)
-            if texts is not None:
-                for j, text, r in zip(idx, texts, scores.tolist()):
-                    question = self.task.sample(self.tokenizer, "eval", j).question
-                    keep.append(Sample(question, text, float(r)))
-                del keep[SAMPLES_SHOWN:]
+        with contextlib.ExitStack() as stack:
+            model = None
+            if self.pipeline is not None:  # no rank holds the policy: the TP rollout model
+                params = self.actor.strategy.hf_named_parameters()
+                model = stack.enter_context(self.hybrid.rollout(params))
+                # TP groups generate together: every rank runs the same number of batches
+                n_batches = -(-n // (self.world * bs))
+                mine += [None] * (n_batches * bs - len(mine))
+            self._evaluate(mine, bs, total, keep, model)
         if self.world > 1:
             total = self.ctx.all_reduce(total.to(self.ctx.device), group=self.group, name="eval")
             total = total.cpu()
         return float(total[0] / max(total[1], 1.0))
+
+    def _evaluate(self, mine: list, bs: int, total: torch.Tensor, keep: Any, model: Any) -> None:
+        from verl_ppo.report import Sample
+
+        for i in range(0, len(mine), bs):
+            idx = mine[i : i + bs]
+            real = [j for j in idx if j is not None]  # None: a pad to keep TP groups in step
+            texts: list[str] | None = [] if keep is not None and len(keep) < SAMPLES_SHOWN else None
+            scores = self.experience_maker.greedy_scores("eval", real or [0], texts, model)
+            if not real:
+                continue
+            total += torch.tensor([float(scores.sum()), len(real)], dtype=torch.float64)
+            if texts is not None:
+                for j, text, r in zip(real, texts, scores.tolist()):
+                    question = self.task.sample(self.tokenizer, "eval", j).question
+                    keep.append(Sample(question, text, float(r)))
+                del keep[SAMPLES_SHOWN:]
 
     # ------------------------------------------------------------ checkpoint
     def _trainer_state(self) -> dict[str, Any]:

@@ -7,15 +7,16 @@ runs several layout pairs and returns a summary the parent asserts on.
 import torch
 import torch.distributed as dist
 
+from verl_comm.distributed import DistContext
 from verl_comm.distributed.launch import spawn
 from verl_comm.telemetry import CommRecorder
 from verl_ppo.reshard.engine import ReshardEngine
 from verl_ppo.reshard.layout import ParallelLayout as L
 from verl_ppo.reshard.testing import (
+    emulated_train_shards,
     expected_rollout,
     random_full_state,
     tiny_config,
-    train_shards_from_full,
 )
 
 
@@ -26,10 +27,17 @@ def _check_pair(
     cfg = tiny_config(kind)
     rec = CommRecorder()
     eng = ReshardEngine(
-        cfg, train, roll, bucket_bytes=bucket, method=method, transport=transport, recorder=rec
+        cfg,
+        train,
+        roll,
+        bucket_bytes=bucket,
+        method=method,
+        transport=transport,
+        recorder=rec,
+        ctx=DistContext.from_default_group(120.0),
     )
     full = full if full is not None else random_full_state(eng.plan.specs, seed=7)
-    out = eng.reshard(train_shards_from_full(eng.plan, rank, full))
+    out = eng.reshard(emulated_train_shards(eng.plan, rank, full))
     exp = expected_rollout(eng.plan, rank, full)
     equal = out.keys() == exp.keys() and all(torch.equal(out[k], exp[k]) for k in exp)
     s = eng.last_stats

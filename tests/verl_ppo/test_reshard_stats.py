@@ -4,16 +4,16 @@ recorder add up to the wire time, not more (consecutive buckets overlap on the w
 
 import pytest
 
+from verl_comm.distributed.launch import spawn
 from verl_comm.telemetry import CommRecorder
 from verl_ppo.reshard.engine import ReshardEngine
 from verl_ppo.reshard.executor import union_length
 from verl_ppo.reshard.layout import ParallelLayout as L
 from verl_ppo.reshard.testing import (
+    emulated_train_shards,
     expected_rollout,
     random_full_state,
-    spawn_workers,
     tiny_config,
-    train_shards_from_full,
 )
 
 
@@ -28,7 +28,7 @@ def worker_2(rank: int, world: int) -> list[dict]:
             recorder=rec,
         )  # fmt: skip
         full = random_full_state(eng.plan.specs, seed=3)
-        got = eng.reshard(train_shards_from_full(eng.plan, rank, full))
+        got = eng.reshard(emulated_train_shards(eng.plan, rank, full))
         exp = expected_rollout(eng.plan, rank, full)
         s = eng.last_stats
         out.append(
@@ -49,7 +49,7 @@ def test_union_length():
 
 @pytest.mark.timeout(300)
 def test_pack_wire_unpack_each_within_wall_time():
-    for per_transport in spawn_workers(__file__, "worker_2", 2, timeout_s=240):
+    for per_transport in spawn(f"{__file__}:worker_2", 2, timeout_s=240):
         for r in per_transport:
             s = r["stats"]
             assert r["equal"]

@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from verl_comm.distributed.launch import spawn
 from verl_ppo.reshard.config import HybridEngineConfig
+from verl_ppo.reshard.layout import ParallelLayout
 from verl_ppo.reshard.testing import tiny_config
 from verl_ppo.rollout.tp_generate import filter_logits, tp_generate
 from verl_ppo.rollout.tp_model import TPCausalLM, TPGroup
@@ -54,9 +55,12 @@ def worker_hybrid(rank, world):
         cfg = HybridEngineConfig(
             enable=True, rollout_sharding={"tensor_parallel_size": 2}, training_sharding=training
         )
-        hybrid = HybridEngine.build(model.config, cfg)
+        train = ParallelLayout(pp=training.get("pipeline_parallel_size", 1))
+        train = ParallelLayout(train.pp, world // train.pp)
+        hybrid = HybridEngine.build(model.config, cfg, train)
         ids, mask = _prompts(10 + rank, b=2 + rank, p=6 + rank)  # ranks differ in B and P
-        with hybrid.rollout(model) as rm:
+        # a full model holds every stage's tensors: the engine reads this rank's stage
+        with hybrid.rollout(dict(model.named_parameters())) as rm:
             m_in = mask if kind == "qwen2" else mask.bool()  # int or bool masks
             got = rm.generate(ids, m_in, max_new_tokens=8, **GEN)
             # sampling happens on TP index 0 and is broadcast: the other member's RNG
@@ -89,7 +93,7 @@ def worker_hybrid(rank, world):
             res[f"{kind}_released"] = True
     res["zero3"] = _zero3_deepspeed(rank, world)
     try:  # modifying training weights inside the block is refused on leaving
-        with hybrid.rollout(model):
+        with hybrid.rollout(dict(model.named_parameters())):
             with torch.no_grad():
                 next(model.parameters()).add_(1.0)
         res["modify_error"] = ""
@@ -105,7 +109,8 @@ def _zero3_deepspeed(rank, world):
 
     import deepspeed
 
-    from verl_ppo.reshard.hybrid import HybridEngine
+    from verl_ppo.reshard.hybrid import HybridEngine, named_parameters
+    from verl_ppo.strategy import data_parallel_layout
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     model = _model("qwen2", seed=3)
@@ -115,9 +120,9 @@ def _zero3_deepspeed(rank, world):
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
     partitioned = all(p.numel() == 0 for p in engine.module.parameters())
     cfg = HybridEngineConfig(enable=True, rollout_sharding={"tensor_parallel_size": 2})
-    hybrid = HybridEngine.build(ref.config, cfg, zero_stage=3)  # stage from the DeepSpeed config
+    hybrid = HybridEngine.build(ref.config, cfg, data_parallel_layout(engine))  # ZeRO-3 from DS
     ids, mask = _prompts(20 + rank)
-    with hybrid.rollout(engine) as rm:
+    with hybrid.rollout(named_parameters(engine)) as rm:
         got = rm.generate(ids, mask, max_new_tokens=6, **GEN)
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
     m = hybrid.last_metrics
@@ -146,7 +151,7 @@ def test_hybrid_engine_two_processes():
             assert any(k.startswith("memory/enter_before_") for k in m)
             assert any(k.startswith("memory/exit_after_") for k in m)
         assert r["qwen2_metrics"]["reshard/bytes_per_rank"] == 0  # DP2 -> TP2: all local
-        assert r["gpt2_metrics"]["reshard/bytes_per_rank"] > 0  # PP2 -> TP2 (emulated)
+        assert r["gpt2_metrics"]["reshard/bytes_per_rank"] > 0  # PP2 -> TP2
         assert "modified inside hybrid.rollout()" in r["modify_error"]
         z = r["zero3"]
         assert z["partitioned"] and z["equal"] and z["bytes"] == z["lower"] > 0, z

@@ -17,9 +17,9 @@ before any communication.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from verl_ppo.reshard.layout import ParallelLayout
 
@@ -35,16 +35,40 @@ class RolloutSharding(_Strict):
 
 
 class TrainingSharding(_Strict):
-    """Training layout the reshard engine reads from."""
+    """Training layout of the actor: pipeline x data parallel on DeepSpeed's engines.
+
+    ``pipeline_parallel_size >= 2`` trains the actor and critic on DeepSpeed's pipeline
+    engine (:mod:`verl_ppo.pipeline`); 1 trains data-parallel. The ZeRO stage is
+    ``actor.zero_stage`` (written once, in the DeepSpeed config); the reshard engine reads
+    the layout from the strategy that really runs.
+    """
 
     pipeline_parallel_size: int = Field(1, ge=1, description="PP degree (contiguous layer ranges).")
     data_parallel_size: int | None = Field(
         None, ge=1, description="DP degree; None = world size / (PP x TP)."
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="TP degree in training.")
-    zero_stage: int = Field(
-        0, ge=0, le=3, description="DeepSpeed ZeRO stage; only 3 changes what a rank holds."
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="TP degree in training: 1 only (TP is refused, see the README)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_moved_and_tp(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "zero_stage" in data:
+            raise ValueError(
+                "training_sharding.zero_stage was removed: the ZeRO stage is set once, in "
+                "actor.zero_stage, and the reshard engine reads it from the DeepSpeed engine"
+            )
+        if isinstance(data, dict) and (data.get("tensor_parallel_size") or 1) > 1:
+            raise ValueError(
+                f"training_sharding.tensor_parallel_size={data['tensor_parallel_size']}: tensor-"
+                "parallel training is not supported (DeepSpeed 0.19.8's AutoTP training, "
+                "tensor_parallel.autotp_size, does not combine with its pipeline engine, and "
+                "the data-parallel path keeps full weights). Use tensor_parallel_size: 1 and "
+                "pipeline_parallel_size to split the model in training; rollout TP is "
+                "rollout_sharding.tensor_parallel_size"
+            )
+        return data
 
 
 class HybridEngineConfig(_Strict):
@@ -66,8 +90,14 @@ class HybridEngineConfig(_Strict):
         True, description="Set .grad to None on entering rollout (memory for the KV cache)."
     )
 
-    def layouts(self, world_size: int) -> tuple[ParallelLayout, ParallelLayout]:
+    def layouts(
+        self, world_size: int, zero_stage: int = 0
+    ) -> tuple[ParallelLayout, ParallelLayout]:
         """Training and rollout layouts for ``world_size`` ranks.
+
+        Args:
+            zero_stage: the actor's ZeRO stage (``actor.zero_stage``); only 3 changes what a
+                rank holds.
 
         Raises:
             ValueError: a degree product that does not divide or equal the world size,
@@ -93,6 +123,6 @@ class HybridEngineConfig(_Strict):
                 f"rollout_sharding.tensor_parallel_size {r.tensor_parallel_size} does not divide "
                 f"world size {world_size}"
             )
-        train = ParallelLayout(t.pipeline_parallel_size, dp, t.tensor_parallel_size, t.zero_stage)
+        train = ParallelLayout(t.pipeline_parallel_size, dp, t.tensor_parallel_size, zero_stage)
         rollout = ParallelLayout(1, world_size // r.tensor_parallel_size, r.tensor_parallel_size)
         return train, rollout

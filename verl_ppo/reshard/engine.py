@@ -73,6 +73,8 @@ class ReshardEngine:
         choose_placement: let the planner pick the rollout rank placement.
         alias: engine only; see :class:`ReshardExecutor` (rollout shards may be the
             training tensors themselves where they coincide).
+        ctx: the job's :class:`verl_comm.distributed.DistContext`; the naive method's gather
+            groups are created with ``ctx.new_group`` (the job's ``comm.timeout_s``).
 
     Raises:
         ValueError: bad layout or method, before any communication (the naive method's
@@ -91,6 +93,7 @@ class ReshardEngine:
         recorder: CommRecorder | None = None,
         choose_placement: bool = True,
         alias: bool = False,
+        ctx: Any = None,
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -103,7 +106,7 @@ class ReshardEngine:
                 self.plan, self.rank, group, bucket_bytes, transport, recorder, alias
             )
         else:
-            self._runner = NaiveAllGather(self.plan, self.rank, group, bucket_bytes, recorder)
+            self._runner = NaiveAllGather(self.plan, self.rank, group, bucket_bytes, recorder, ctx)
         self.last_stats: ReshardStats | None = None
 
     @property

@@ -8,8 +8,9 @@ leaving checks that (tensor version counters unchanged), so ``reshard/back_bytes
 
 ::
 
-    hybrid = HybridEngine.build(hf_config, cfg.actor.model_config.hybrid_engine)
-    with hybrid.rollout(actor_module) as rollout_model:
+    hybrid = HybridEngine.build(hf_config, cfg.actor.model_config.hybrid_engine,
+                                strategy.layout, ctx)
+    with hybrid.rollout(strategy.hf_named_parameters()) as rollout_model:
         seqs = rollout_model.generate(input_ids, attention_mask, max_new_tokens=64, ...)
     logger.log(hybrid.last_metrics)   # timing_s/reshard, reshard/bytes_per_rank, memory/...
 """
@@ -20,7 +21,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from verl_comm.telemetry import CommRecorder
 from verl_ppo.reshard.config import HybridEngineConfig
 from verl_ppo.reshard.engine import ReshardEngine
-from verl_ppo.reshard.specs import slice_shard
+from verl_ppo.reshard.layout import ParallelLayout
 from verl_ppo.rollout.tp_generate import TPRolloutModel
 from verl_ppo.rollout.tp_model import TPCausalLM, TPGroup
 
@@ -83,32 +84,34 @@ class HybridEngine:
         cls,
         model_config: Any,
         hybrid_cfg: HybridEngineConfig,
+        train_layout: ParallelLayout,
+        ctx: Any = None,
         world_group: dist.ProcessGroup | None = None,
         recorder: CommRecorder | None = None,
-        zero_stage: int | None = None,
     ) -> HybridEngine:
         """Validate the layouts against the world and the model, plan, create TP groups.
 
         Args:
             model_config: HF config of the actor (Llama family or GPT-2).
-            hybrid_cfg: ``actor.model_config.hybrid_engine``.
+            hybrid_cfg: ``actor.model_config.hybrid_engine`` (its rollout layout).
+            train_layout: the layout the actor's training engine really runs
+                (``strategy.layout``: PP x DP and the ZeRO stage of its DeepSpeed config).
+            ctx: the job's :class:`verl_comm.distributed.DistContext`; every sub-group
+                (rollout TP groups, the naive baseline's gather groups) is created with
+                ``ctx.new_group`` and so gets ``comm.timeout_s``. Needed whenever a
+                sub-group is needed.
             world_group: group of all ranks (None = WORLD).
             recorder: optional comm telemetry for the executor.
-            zero_stage: the DeepSpeed ZeRO stage the actor really runs with; overrides
-                ``training_sharding.zero_stage`` when given (so it is written once, in the
-                DeepSpeed config).
 
         Raises:
-            ValueError: a layout that does not fit (raised before any communication).
+            ValueError: a layout that does not fit, or a sub-group needed without ``ctx``
+                (raised before any communication).
         """
         world = dist.get_world_size(world_group) if dist.is_initialized() else 1
-        if zero_stage is not None:
-            ts = hybrid_cfg.training_sharding.model_copy(update={"zero_stage": zero_stage})
-            hybrid_cfg = hybrid_cfg.model_copy(update={"training_sharding": ts})
-        train, rollout = hybrid_cfg.layouts(world)
+        _, rollout = hybrid_cfg.layouts(world, train_layout.zero_stage)
         engine = ReshardEngine(
             model_config,
-            train,
+            train_layout,
             rollout,
             group=world_group,
             bucket_bytes=int(hybrid_cfg.bucket_mb * (1 << 20)),
@@ -116,6 +119,7 @@ class HybridEngine:
             transport=hybrid_cfg.transport,
             recorder=recorder,
             alias=True,  # the rollout model only reads: share what coincides (norms, TP 1)
+            ctx=ctx,
         )
         lay, rank = engine.rollout_layout, engine.rank
 
@@ -129,34 +133,41 @@ class HybridEngine:
                 world_group, lay.tp, lay.coords(rank)[2], [glob(r) for r in lay.tp_group(rank)]
             )
         else:
+            if ctx is None:
+                raise ValueError(
+                    f"rollout {lay.describe()} needs TP sub-groups: pass ctx (the DistContext)"
+                )
             tp = None
             for members in lay.all_tp_groups():  # collective: every rank creates every group
-                pg = dist.new_group(sorted(glob(r) for r in members))
+                pg = ctx.new_group(sorted(glob(r) for r in members))
                 if rank in members:
                     tp = TPGroup(pg, lay.tp, members.index(rank), [glob(r) for r in members])
         return cls(model_config, hybrid_cfg, engine, tp)
 
-    def train_shards(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """What this rank holds in the training layout, read from ``module``.
+    def train_shards(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What this rank really holds in the training layout, checked against the plan.
 
-        ZeRO-3 parameters (``ds_tensor``) give their flat partition as is; full parameters
-        are used as is under pure DP, and sliced to the declared PP/TP training shard
-        otherwise (the trainer's DeepSpeed engine holds full weights; the declared layout
-        is then emulated).
+        Args:
+            params: the training engine's parameters by HF name
+                (``strategy.hf_named_parameters()``): full tensors under DP, the stage's
+                tensors under PP, or ZeRO-3 parameters whose ``ds_tensor`` is the partition.
 
         Raises:
-            KeyError: a parameter of the plan is missing from ``module``.
-            ValueError: a ZeRO-3 partition whose size does not match the declared layout.
+            KeyError: a parameter the plan puts on this rank is not held.
+            ValueError: a held tensor whose shape (or ZeRO-3 partition size) is not what the
+                layout says this rank holds: the layout does not describe the engine.
         """
         plan, rank = self.engine.plan, self.engine.rank
-        params = named_parameters(module)
         out = {}
         for p, spec in enumerate(plan.specs):
             sh = plan.train_shards[rank][p]
             if sh is None:
                 continue
             if spec.name not in params:
-                raise KeyError(f"parameter {spec.name!r} not found in the training module")
+                raise KeyError(
+                    f"parameter {spec.name!r}: {plan.train.describe()} puts it on rank {rank}, "
+                    "but the training engine does not hold it"
+                )
             prm = params[spec.name]
             if (
                 hasattr(prm, "ds_tensor")
@@ -167,23 +178,24 @@ class HybridEngine:
                 if plan.train.zero_stage != 3 or part.numel() != sh.numel:
                     raise ValueError(
                         f"{spec.name}: ZeRO-3 partition of {part.numel()} elements, but "
-                        f"training_sharding ({plan.train.describe()}) expects {sh.numel}; set "
-                        f"training_sharding.zero_stage: 3 and data_parallel_size: world size"
+                        f"{plan.train.describe()} expects {sh.numel}"
                     )
                 out[spec.name] = part
-            elif (
-                tuple(prm.shape) == tuple(sh.local_shape)
-                and len(sh.pieces) == 1
-                and sh.pieces[0].gbox == tuple((0, s) for s in spec.shape)
-            ):
+            elif tuple(prm.shape) == tuple(sh.local_shape) and prm.numel() == sh.numel:
                 out[spec.name] = prm.data
             else:
-                out[spec.name] = slice_shard(prm.data, sh)
+                raise ValueError(
+                    f"{spec.name}: the training engine holds shape {tuple(prm.shape)}, "
+                    f"{plan.train.describe()} expects {sh.local_shape} on rank {rank}"
+                )
         return out
 
     @contextmanager
-    def rollout(self, train_module: torch.nn.Module) -> Iterator[TPRolloutModel]:
-        """Enter: reshard ``train_module``'s weights into the TP rollout model. Leave: free it.
+    def rollout(self, params: Mapping[str, torch.Tensor]) -> Iterator[TPRolloutModel]:
+        """Enter: reshard the training weights into the TP rollout model. Leave: free it.
+
+        Args:
+            params: what the training engine holds, by HF name (see :meth:`train_shards`).
 
         Yields:
             a :class:`TPRolloutModel` (``generate(...)``) holding only this rank's TP shard.
@@ -193,7 +205,8 @@ class HybridEngine:
                 (the rollout -> training direction would then need traffic).
         """
         m: dict[str, float] = {}
-        params = list(named_parameters(train_module).values())
+        held = self.train_shards(params)
+        params = list(params.values())
         device = params[0].device
         for k, v in _memory_gb(device).items():
             m[f"memory/enter_before_{k}"] = v
@@ -202,7 +215,7 @@ class HybridEngine:
                 prm.grad = None
         versions = [prm._version for prm in params]
         t0 = time.perf_counter()
-        shards = self.engine.reshard(self.train_shards(train_module))
+        shards = self.engine.reshard(held)
         s = self.engine.last_stats
         model = TPRolloutModel(TPCausalLM(self.model_config, shards, self.tp))
         m["timing_s/reshard"] = time.perf_counter() - t0
@@ -216,6 +229,14 @@ class HybridEngine:
             else float(s.bytes_received == 0)
         )
         m["reshard/rollout_shard_bytes"] = float(s.rollout_bytes)
+        train_ptrs = {prm.data_ptr() for prm in params}
+        m["memory/rollout_extra_param_bytes"] = float(  # rollout tensors not aliasing training
+            sum(
+                t.numel() * t.element_size()
+                for t in shards.values()
+                if t.data_ptr() not in train_ptrs
+            )
+        )
         m["reshard/peak_extra_bytes"] = float(s.peak_extra_bytes)
         m["reshard/buckets"] = float(s.buckets)
         m["reshard/tensor_parallel_size"] = float(self.tp.size)
@@ -241,7 +262,7 @@ class HybridEngine:
             for k, v in _memory_gb(device).items():
                 m[f"memory/exit_before_{k}"] = v
             model.release()
-            del model, shards
+            del model, shards, held
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

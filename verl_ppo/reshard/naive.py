@@ -17,6 +17,7 @@ padding is sent and the received bytes are exactly the other members' parts.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,11 @@ class NaiveAllGather:
             this object (``dist.new_group`` is collective).
         bucket_bytes: full-parameter bytes gathered per step.
         recorder: optional :class:`CommRecorder`, one record per bucket.
+        ctx: the job's :class:`verl_comm.distributed.DistContext` (``new_group`` with the
+            job's timeout); needed when a gather group is a strict sub-group.
+
+    Raises:
+        ValueError: a sub-group is needed and ``ctx`` is None.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class NaiveAllGather:
         group: dist.ProcessGroup | None = None,
         bucket_bytes: int = 64 << 20,
         recorder: CommRecorder | None = None,
+        ctx: Any = None,
     ) -> None:
         self.plan, self.rank, self.group = plan, rank, group
         self.bucket_bytes, self.recorder = int(bucket_bytes), recorder
@@ -101,8 +108,13 @@ class NaiveAllGather:
             elif len(g) == 1:
                 pg = None
             else:
+                if ctx is None:
+                    raise ValueError(
+                        f"the naive all-gather of {plan.train.describe()} needs sub-groups "
+                        f"{groups}: pass ctx (the DistContext) so they get the job's timeout"
+                    )
                 glob = g if group is None else [dist.get_global_rank(group, x) for x in g]
-                pg = dist.new_group(glob)
+                pg = ctx.new_group(glob)
             if sorted(self.members) == g:
                 self.pg = pg
         self.contrib = contributions(plan, sorted(self.members))

@@ -3,7 +3,9 @@ multi-process runs use :func:`verl_comm.distributed.launch.spawn`.
 
 - :func:`tiny_config`: small Llama / Qwen2 / GPT-2 configs.
 - :func:`random_full_state`: seeded full weights from specs (every rank gets the same).
-- :func:`train_shards_from_full`: what a rank holds in a layout, sliced from full weights.
+- :func:`emulated_train_shards`: what a rank would hold in a layout, sliced from full
+  weights (an emulated training layout, for planner/executor tests and benchmarks only;
+  the trainer reads the engines' real holdings).
 """
 
 from __future__ import annotations
@@ -59,10 +61,13 @@ def random_full_state(
     return out
 
 
-def train_shards_from_full(
+def emulated_train_shards(
     plan: ReshardPlan, rank: int, full: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """What ``rank`` holds in ``plan.train``, sliced from full weights (copies)."""
+    """What ``rank`` would hold in ``plan.train``, sliced from full weights (copies).
+
+    An emulation of the training layout for tests and benchmarks of the planner and
+    executor; training engines are read as they are (``HybridEngine.train_shards``)."""
     out = {}
     for p, spec in enumerate(plan.specs):
         sh = plan.train_shards[rank][p]

@@ -82,7 +82,6 @@ class Actor:
         when the KL is a loss term.
         """
         a = self.algo
-        policy_loss = POLICY_LOSSES[a.policy_loss]
 
         def loss_fn(micro: Experience, divisor: float):
             logp, ent = self.lp_fn(
@@ -95,31 +94,63 @@ class Actor:
             )
             mask = micro.response_mask
             old = logp.detach() if on_policy else micro.old_log_prob
-            pg_loss, m = policy_loss(
-                old,
-                logp,
-                micro.advantages,
-                mask,
-                clip_ratio=a.clip_ratio,
-                clip_ratio_c=a.clip_ratio_c,
-                loss_agg_mode=a.loss_agg_mode,
-                global_tokens=divisor,
+            loss, metrics = actor_loss(
+                logp, ent, mask, old, micro.advantages, micro.ref_log_prob, a, divisor
             )
-            metrics = {k: float(v) for k, v in m.items()}
             if on_policy:  # how far the rollout's log-probs are from the training forward's
                 metrics["rollout_log_prob_kl"] = float(
                     masked_mean(micro.old_log_prob - logp.detach(), mask)
                 )
-            metrics["pg_loss"] = float(pg_loss.detach())
-            metrics["entropy"] = float(masked_mean(ent.detach(), mask))
-            loss = pg_loss
-            if a.entropy_coeff > 0:
-                loss = loss - a.entropy_coeff * agg_loss(ent, mask, a.loss_agg_mode, divisor)
-            if a.kl.use_kl_loss:
-                kl = kl_penalty(logp, micro.ref_log_prob, a.kl.estimator)
-                kl_loss = agg_loss(kl, mask, a.loss_agg_mode, divisor)
-                loss = loss + a.kl.kl_coef * kl_loss
-                metrics["kl_loss"] = float(kl_loss.detach())
             return loss, metrics
 
         return run_update(self, exp, num_mini_batches, ppo_epochs, "actor", loss_fn)
+
+
+def actor_loss(
+    logp: torch.Tensor,
+    ent: torch.Tensor,
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_log_prob: torch.Tensor | None,
+    algo: Any,
+    divisor: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The actor's micro-batch loss: ``algo.policy_loss``, entropy bonus, optional KL loss.
+
+    Shared by the data-parallel actor and the pipeline's loss function.
+
+    Args:
+        logp, ent: ``(B, R)`` float32 log-probs and entropies under the current policy.
+        mask, old_log_prob, advantages, ref_log_prob: ``(B, R)`` float32 (ref only with
+            ``algo.kl.use_kl_loss``).
+        algo: ``PPOConfig.algorithm``.
+        divisor: the ``token-mean`` divisor (:func:`~verl_ppo.roles.common.global_token_divisor`).
+
+    Returns:
+        ``(loss, metrics)``: metrics ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
+        ``ppo_kl``, ``entropy`` and ``kl_loss`` with the KL loss term.
+    """
+    a = algo
+    pg_loss, m = POLICY_LOSSES[a.policy_loss](
+        old_log_prob,
+        logp,
+        advantages,
+        mask,
+        clip_ratio=a.clip_ratio,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode,
+        global_tokens=divisor,
+    )
+    metrics = {k: float(v) for k, v in m.items()}
+    metrics["pg_loss"] = float(pg_loss.detach())
+    metrics["entropy"] = float(masked_mean(ent.detach(), mask))
+    loss = pg_loss
+    if a.entropy_coeff > 0:
+        loss = loss - a.entropy_coeff * agg_loss(ent, mask, a.loss_agg_mode, divisor)
+    if a.kl.use_kl_loss:
+        kl = kl_penalty(logp, ref_log_prob, a.kl.estimator)
+        kl_loss = agg_loss(kl, mask, a.loss_agg_mode, divisor)
+        loss = loss + a.kl.kl_coef * kl_loss
+        metrics["kl_loss"] = float(kl_loss.detach())
+    return loss, metrics

@@ -65,10 +65,29 @@ def sequence_log_probs(
         position_ids=pos,
         use_cache=False,
     )
-    logits = out.logits[:, prompt_len - 1 : -1, :].float()
+    return response_log_probs(out.logits, input_ids[:, prompt_len:], temperature, with_entropy)
+
+
+def response_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of ``targets`` from full-sequence ``logits``.
+
+    Args:
+        logits: ``(B, P + R, V)``; positions ``P-1 .. P+R-2`` predict the response.
+        targets: ``(B, R)`` int64 response tokens.
+        temperature: the sampling temperature.
+
+    Returns:
+        ``(log_prob (B, R) float32, entropy (B, R) float32 or None)``.
+    """
+    prompt_len = logits.shape[1] - targets.shape[1]
+    logits = logits[:, prompt_len - 1 : -1, :].float()
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, prompt_len:]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     ent = entropy_from_logits(logits) if with_entropy else None
     return logp, ent

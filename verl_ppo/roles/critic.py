@@ -97,20 +97,40 @@ class Critic:
 
         def loss_fn(micro: Experience, divisor: float):
             v = self._values(micro)
-            loss, m = value_loss_clipped(
-                v,
-                micro.values,
-                micro.returns,
-                micro.response_mask,
-                cliprange_value=a.cliprange_value,
-                loss_agg_mode=a.loss_agg_mode,
-                global_tokens=divisor,
-            )
-            metrics = {
-                "vf_loss": float(loss.detach()),
-                "vf_clipfrac": float(m["vf_clipfrac"]),
-                "vpred_mean": float(masked_mean(v.detach(), micro.response_mask)),
-            }
-            return a.vf_coef * loss, metrics
+            return critic_loss(v, micro.values, micro.returns, micro.response_mask, a, divisor)
 
         return run_update(self, exp, num_mini_batches, ppo_epochs, "critic", loss_fn)
+
+
+def critic_loss(
+    v: torch.Tensor,
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    algo: Any,
+    divisor: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's micro-batch loss ``vf_coef x`` clipped value loss.
+
+    Args:
+        v: ``(B, R)`` float32 current values; values, returns, mask: ``(B, R)`` float32.
+        algo: ``PPOConfig.algorithm``. divisor: the ``token-mean`` divisor.
+
+    Returns:
+        ``(loss, metrics)``: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``.
+    """
+    loss, m = value_loss_clipped(
+        v,
+        values,
+        returns,
+        mask,
+        cliprange_value=algo.cliprange_value,
+        loss_agg_mode=algo.loss_agg_mode,
+        global_tokens=divisor,
+    )
+    metrics = {
+        "vf_loss": float(loss.detach()),
+        "vf_clipfrac": float(m["vf_clipfrac"]),
+        "vpred_mean": float(masked_mean(v.detach(), mask)),
+    }
+    return algo.vf_coef * loss, metrics

@@ -1,0 +1,171 @@
+"""Build the actor, critic and reference on DeepSpeed's pipeline engine for the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verl_ppo.experience import Experience
+from verl_ppo.pipeline.checks import pipeline_degree
+from verl_ppo.pipeline.data import gather_pipeline_experience, per_rollout
+from verl_ppo.pipeline.roles import PipelineActor, PipelineCritic, PipelineReference, PipeLoss
+from verl_ppo.pipeline.strategy import PipelineStrategy
+from verl_ppo.pipeline.weights import WeightSource
+
+
+@dataclass
+class PipelineRoles:
+    """The three roles of a PP x DP run and what the trainer asks of them.
+
+    Attributes:
+        actor, critic (None under GRPO), reference: the roles.
+        engines: role -> strategy, for checkpoints (the frozen reference is not saved).
+        hf_config: the policy's HF config.
+        full_param_bytes: bytes of the whole policy (every unique parameter once).
+    """
+
+    actor: PipelineActor
+    critic: PipelineCritic | None
+    reference: PipelineReference
+    engines: dict[str, PipelineStrategy]
+    hf_config: Any
+    full_param_bytes: int
+    _source: Any = None
+
+    @property
+    def layout(self) -> Any:
+        """The actor's training layout (PP x DP, ZeRO stage), as the engine runs it."""
+        return self.actor.strategy.layout
+
+    def gather(self, exp: Experience, num_mini_batches: int, pad_token_id: int) -> Experience:
+        """This pipeline's training batch from its members' rollouts (see
+        :func:`~verl_ppo.pipeline.data.gather_pipeline_experience`); remembers which rank
+        generated each row for :meth:`per_rollout`."""
+        out, self._source = gather_pipeline_experience(
+            exp, self.actor.strategy.pipe_group, num_mini_batches, pad_token_id
+        )
+        return out
+
+    def per_rollout(self, exp: Experience, fn: Any) -> dict[str, float]:
+        """``fn(sub_exp) -> metrics`` on each generating rank's rows of the last gathered batch
+        (advantages, see :func:`~verl_ppo.pipeline.data.per_rollout`); the metrics are
+        averaged over the sub-batches."""
+        parts = per_rollout(exp, self._source, fn)
+        return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Parameter bytes this rank holds per role and the policy's full size (bytes)."""
+        m = {"memory/policy_full_param_bytes": float(self.full_param_bytes)}
+        total = 0
+        for name, s in (("actor", self.actor.strategy), ("reference", self.reference.strategy)):
+            m[f"memory/{name}_param_bytes_per_rank"] = float(s.param_bytes())
+            total += s.param_bytes()
+        if self.critic is not None:
+            m["memory/critic_param_bytes_per_rank"] = float(self.critic.strategy.param_bytes())
+            total += self.critic.strategy.param_bytes()
+        m["memory/param_bytes_per_rank"] = float(total)
+        return m
+
+
+def pipeline_fast_path(cfg: Any) -> Any:
+    """The :class:`~verl_ppo.fast_path.FastPath` of a pipeline run: CUDA graphs, sequence
+    packing, the fused LM head and token-budget micro-batches are off (explicit ``true`` is
+    refused by :mod:`verl_ppo.pipeline.checks`); the ``old_log_prob`` bypass resolves as
+    usual (the rollout model's log-probs)."""
+    from verl_ppo.fast_path import FastPath, resolve_old_log_prob
+
+    why = "off: pipeline training (fixed-size pipeline micro-batches, TP rollout model)"
+    fp = FastPath()
+    for key in (
+        "rollout.use_cuda_graph",
+        "train.sequence_packing",
+        "train.fused_log_probs",
+        "train.max_tokens_per_micro_batch",
+    ):
+        fp.reasons[key] = why
+    fp.bypass_old_log_prob, fp.reasons["algorithm.old_log_prob"] = resolve_old_log_prob(cfg)
+    return fp
+
+
+def _source(cfg: Any, tokenizer: Any, dtype: torch.dtype) -> WeightSource:
+    if cfg.model.tiny is not None:
+        from verl_ppo.models import build_policy
+
+        policy = build_policy(cfg.model, tokenizer, dtype, cfg.seed)  # seeded as the DP path
+        return WeightSource.from_model(policy, dtype)
+    from transformers import AutoConfig
+
+    from verl_ppo.data.model_store import resolve_model_path
+
+    path = resolve_model_path(cfg.model.path)
+    return WeightSource(AutoConfig.from_pretrained(path), dtype, folder=path)
+
+
+def build_pipeline_roles(
+    cfg: Any, tokenizer: Any, dtype: torch.dtype, world_size: int, use_critic: bool
+) -> PipelineRoles:
+    """Every rank builds its stage of the actor, the reference and (GAE) the critic.
+
+    Args:
+        cfg: the :class:`~verl_ppo.config.PPOConfig`.
+        tokenizer: the policy's tokenizer (vocabulary of a ``model.tiny`` model).
+        dtype: parameter dtype.
+        world_size: all ranks; the data-parallel size is ``world_size / PP``.
+        use_critic: build the critic (GAE).
+
+    Raises:
+        ValueError / ConfigError: layout or batch sizes that do not fit the world.
+    """
+    from verl_ppo.reshard.specs import model_param_specs
+    from verl_ppo.strategy import ds_config
+
+    pp = pipeline_degree(cfg)
+    dp = world_size // pp
+    d = cfg.derived(dp)  # per-pipeline training sizes
+    source = _source(cfg, tokenizer, dtype)
+    hf_config = source.config
+    common = dict(
+        micro_batch_size=d.local_micro_batch_size,
+        grad_accum_steps=d.grad_accum_steps,
+        world_size=dp,
+        bf16=dtype == torch.bfloat16,
+    )
+    timeout = cfg.comm.timeout_s
+    a = cfg.algorithm
+    temp = cfg.rollout.temperature
+
+    def strategy(role_cfg: Any, zero: int, train: bool) -> PipelineStrategy:
+        ds = ds_config(
+            zero_stage=zero,
+            grad_clip=role_cfg.optim.grad_clip,
+            offload_optimizer=False,
+            **common,
+        )
+        o = role_cfg.optim
+        return PipelineStrategy(
+            ds, pp, timeout, o.lr if train else None, o.weight_decay, tuple(o.betas)
+        )
+
+    actor_s = strategy(cfg.actor, cfg.actor.zero_stage, True)
+    actor_loss = PipeLoss("policy", a, temp)
+    actor_s.init(hf_config, source, "policy", actor_loss)
+    ref_s = strategy(cfg.actor, 0, False)
+    ref_loss = PipeLoss("policy", a, temp)
+    ref_s.init(hf_config, source, "policy", ref_loss)
+    mb = d.local_micro_batch_size
+    actor = PipelineActor(actor_s, actor_loss, a, mb)
+    reference = PipelineReference(ref_s, ref_loss, a, mb)
+    engines = {"actor": actor_s}
+    critic = None
+    if use_critic:
+        critic_s = strategy(cfg.critic, cfg.critic.zero_stage, True)
+        critic_loss = PipeLoss("value", a)
+        critic_s.init(hf_config, source, "value", critic_loss)
+        critic = PipelineCritic(critic_s, critic_loss, a, mb)
+        engines["critic"] = critic_s
+    source.release()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    full = sum(s.numel for s in model_param_specs(hf_config)) * itemsize
+    return PipelineRoles(actor, critic, reference, engines, hf_config, full)
