@@ -15,7 +15,7 @@ from tests.verl_ppo._run import ROOT, run_job
 
 pytestmark = pytest.mark.timeout(900)
 
-ARGS = [
+BASE = [
     "--config",
     "configs/tiny.yaml",
     "train.num_steps=5",
@@ -23,6 +23,16 @@ ARGS = [
     "data.eval_size=0",
 ]
 COMPARE = ("reward/mean", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/kl")
+HE = "actor.model_config.hybrid_engine"
+LAYOUTS = {
+    "dp": [],
+    # PP2 on the pipeline engine (2 ranks), generation on the TP2 rollout model
+    "pp2": [
+        f"{HE}.enable=true",
+        f"{HE}.training_sharding.pipeline_parallel_size=2",
+        f"{HE}.rollout_sharding.tensor_parallel_size=2",
+    ],
+}
 
 
 def _steps(run):
@@ -30,9 +40,11 @@ def _steps(run):
     return [r for r in recs if "reward/mean" in r]
 
 
-def test_kill_mid_step_and_mid_checkpoint_then_resume(tmp_path):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_kill_mid_step_and_mid_checkpoint_then_resume(tmp_path, layout):
+    args = [*BASE, *LAYOUTS[layout]]
     ref = tmp_path / "ref"
-    r = run_job([*ARGS, f"run_dir={ref}"])
+    r = run_job([*args, f"run_dir={ref}"])
     assert r.returncode == 0, r.stderr[-3000:]
 
     run = tmp_path / "run"
@@ -40,7 +52,7 @@ def test_kill_mid_step_and_mid_checkpoint_then_resume(tmp_path):
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     p = subprocess.Popen(
-        [sys.executable, "-m", "verl_ppo.train", *ARGS, f"run_dir={run}"],
+        [sys.executable, "-m", "verl_ppo.train", *args, f"run_dir={run}"],
         cwd=ROOT,
         env=env,
         start_new_session=True,
@@ -65,7 +77,7 @@ def test_kill_mid_step_and_mid_checkpoint_then_resume(tmp_path):
         shutil.copytree(ck / good, partial)
         (partial / "COMPLETE").unlink()
         shutil.rmtree(partial / "actor")
-    r2 = run_job([*ARGS, f"run_dir={run}"])
+    r2 = run_job([*args, f"run_dir={run}"])
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert f"at step {step}" in r2.stderr
     got, want = _steps(run), _steps(ref)

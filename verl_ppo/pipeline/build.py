@@ -55,17 +55,29 @@ class PipelineRoles:
         parts = per_rollout(exp, self._source, fn)
         return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
 
-    def memory_metrics(self) -> dict[str, float]:
-        """Parameter bytes this rank holds per role and the policy's full size (bytes)."""
-        m = {"memory/policy_full_param_bytes": float(self.full_param_bytes)}
-        total = 0
-        for name, s in (("actor", self.actor.strategy), ("reference", self.reference.strategy)):
-            m[f"memory/{name}_param_bytes_per_rank"] = float(s.param_bytes())
-            total += s.param_bytes()
+    def memory_metrics(self, rollout_extra_bytes: float = 0.0) -> dict[str, float]:
+        """Parameter bytes this rank holds, per role, and the policy's full size.
+
+        Args:
+            rollout_extra_bytes: bytes of the TP rollout shards that do not alias training
+                storage (``memory/rollout_extra_param_bytes`` of the hybrid engine).
+
+        Keys ending in ``_max`` are reduced over ranks by maximum (the trainer's rule).
+        """
+        actor = float(self.actor.strategy.param_bytes())
+        m = {
+            "memory/policy_full_param_bytes": float(self.full_param_bytes),
+            "memory/actor_param_bytes_per_rank_max": actor,
+            "memory/actor_param_bytes_generating_max": actor + rollout_extra_bytes,
+            "memory/actor_param_vs_full_over_pp_max": actor
+            * self.actor.strategy.pp
+            / self.full_param_bytes,
+            "memory/reference_param_bytes_per_rank_max": float(
+                self.reference.strategy.param_bytes()
+            ),
+        }
         if self.critic is not None:
-            m["memory/critic_param_bytes_per_rank"] = float(self.critic.strategy.param_bytes())
-            total += self.critic.strategy.param_bytes()
-        m["memory/param_bytes_per_rank"] = float(total)
+            m["memory/critic_param_bytes_per_rank_max"] = float(self.critic.strategy.param_bytes())
         return m
 
 
