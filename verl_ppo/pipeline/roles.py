@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_ppo.algorithms import masked_mean
 from verl_ppo.experience import Experience
 from verl_ppo.pipeline.strategy import PipelineStrategy
 from verl_ppo.roles.actor import actor_loss
@@ -50,6 +51,7 @@ class PipeLoss:
         self.kind, self.algo, self.temperature = kind, algo, temperature
         self.mode = "log_prob" if kind == "policy" else "values"
         self.divisor, self.scale = 1.0, 1.0
+        self.on_policy = False
         self.metrics: list[dict[str, float]] = []
 
     def __call__(self, outputs: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -60,7 +62,12 @@ class PipeLoss:
             if self.mode == "log_prob":
                 return logp
             _, mask, old, adv, ref = labels
+            rollout_old = old
+            if self.on_policy:  # algorithm.old_log_prob bypass: ratio 1, as the DP actor
+                old = logp.detach()
             loss, m = actor_loss(logp, ent, mask, old, adv, ref, self.algo, self.divisor)
+            if self.on_policy:
+                m["rollout_log_prob_kl"] = float(masked_mean(rollout_old - logp.detach(), mask))
         else:
             mask = labels[0]
             r = mask.shape[1]
@@ -156,8 +163,11 @@ class PipelineActor(_PipelineRole):
         """Log-probs ``(B, R)`` float32 of the responses under the current policy."""
         return self._forward(exp, "log_prob", lambda mb: (mb.responses,))
 
-    def update(self, exp: Experience, num_mini_batches: int, ppo_epochs: int) -> dict[str, float]:
-        """PPO epochs; metrics as :meth:`verl_ppo.roles.Actor.update`."""
+    def update(
+        self, exp: Experience, num_mini_batches: int, ppo_epochs: int, on_policy: bool = False
+    ) -> dict[str, float]:
+        """PPO epochs; ``on_policy`` and metrics as :meth:`verl_ppo.roles.Actor.update`."""
+        self.loss.on_policy = on_policy
 
         def labels(mb: Experience):
             ref = (

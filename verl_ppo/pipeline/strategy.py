@@ -88,6 +88,7 @@ class PipelineStrategy:
         self.lr, self.weight_decay, self.betas = lr, weight_decay, betas
         self.engine: Any = None
         self.base = "model."
+        self.grad_comm = None  # DeepSpeed reduces (compression is refused with PP)
 
     def init(self, hf_config: Any, source: Any, role: str, loss_fn: Any) -> Any:
         """Build this rank's stage and its engine (collective over every rank).
@@ -142,6 +143,13 @@ class PipelineStrategy:
             engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=self.config)
         self.engine = engine
         return engine
+
+    def describe(self) -> str:
+        """One line: stage, layout and ZeRO stage."""
+        return (
+            f"DeepSpeed PipelineEngine, stage {self.stage} of {self.pp}, "
+            f"{self.layout.describe()}, ZeRO-{self.engine.zero_optimization_stage()}"
+        )
 
     # ---------------------------------------------------------------- topology
     @property
