@@ -174,6 +174,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default per transport)")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--loss-scale", type=float, default=1.0,
+                   help="multiply the loss (keeps fp16 gradients out of the subnormal range)")  # fmt: skip
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--world", type=int, default=2)
@@ -269,6 +271,7 @@ class Method:
         from verl_comm.reducer import BucketedReducer
 
         self.name, self.device = name, device
+        self.loss_scale = args.loss_scale
         torch.manual_seed(0)
         layers = [torch.nn.Linear(args.dim, args.dim, device=device) for _ in range(args.layers)]
         self.module = torch.nn.Sequential(*layers)
@@ -325,7 +328,7 @@ class Method:
                 self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"
             ):
                 out = self.model(x)
-            out.float().square().mean().backward()
+            (out.float().square().mean() * self.loss_scale).backward()
         if self.reducer is not None:
             self.reducer.finalize()
         self.opt.step()
@@ -609,7 +612,9 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
         "commit": commit(),
         "world_size": args.world,
         "workload": f"{args.layers}x Linear({args.dim},{args.dim}), input {args.batch}x{args.dim}, "
-        f"{'bf16 autocast' if cuda else 'fp32'}, SGD, bucket_cap_mb={args.bucket_cap_mb:g}",
+        f"{'bf16 autocast' if cuda else 'fp32'}, loss mean(out^2)"
+        f"{f' x {args.loss_scale:g}' if args.loss_scale != 1 else ''}, SGD, "
+        f"bucket_cap_mb={args.bucket_cap_mb:g}",
         "rounds": rounds,
         "warmup": args.warmup,
     }

@@ -2,7 +2,8 @@
 # Issue 14's slow-link benchmark on one CPU machine: 2 gloo ranks in two network namespaces
 # joined by a veth pair whose both ends are shaped with a token-bucket filter (tc tbf) to
 # RATE; DDP on 6 x Linear(2048, 2048) (25.2 M parameters, 6 buckets of 16.8 MB at
-# bucket_cap_mb 25), methods side by side in one run (benchmarks/comm_hooks.py).
+# bucket_cap_mb 25), loss x 1024 (torch's fp16 hook underflows on this model's unscaled
+# gradients: 6.7% error), methods side by side in one run (benchmarks/comm_hooks.py).
 # The loopback device is never touched (other jobs on the machine rely on its speed).
 #
 # Usage (root, iproute2):  bash benchmarks/slow_link_hooks.sh OUTDIR [RATE_MBIT]   # 1000
@@ -33,7 +34,7 @@ tc -n "$NS1" qdisc add dev "$V1" root tbf rate "${MBIT}mbit" burst 256kb latency
 RUN_ID=${RUN_ID:-$($PY -c "import uuid; print(uuid.uuid4().hex[:12])")}
 METHODS=${METHODS:-compute_only,none,torch_fp16,torch_powersgd_r8,ours_int8,ours_lowrank_int8_r8,ours_auto}
 ARGS=(--cpu --transport shaped_veth --link-mbit "$MBIT" --run-id "$RUN_ID" --layers 6 --dim 2048
-      --batch 64 --warmup 4 --rounds "${ROUNDS:-5}" --pg-timeout-s "${PG_TIMEOUT_S:-120}" --out "$OUT")
+      --batch 64 --loss-scale 1024 --warmup 4 --rounds "${ROUNDS:-5}" --pg-timeout-s "${PG_TIMEOUT_S:-120}" --out "$OUT")
 attempt() {  # $1 = methods; returns the worst rank exit code
   local pids=() rc=0
   for r in 0 1; do

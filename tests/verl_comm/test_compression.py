@@ -408,3 +408,25 @@ def test_lowrank_r128_on_deep_linear_gradients_stays_finite():
     assert ok0 and ok1 and torch.isfinite(out0).all()
     assert torch.equal(out0, out1)
     assert 0 < e0 < i0  # the approximation removes part of the (error-fed) input
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_lowrank_bf16_products_keep_error_feedback_exact(stats):
+    """The CUDA path (bf16 matrix products) run on CPU: input + old residual ==
+    output + new residual, since the residual is taken against the applied approximation."""
+    shapes = [(64, 32), (64, 32), (10,), (48, 40)]
+    plan = plan_lowrank(shapes, rank=4)
+    st = LowRankBucketState()
+    gen = torch.Generator().manual_seed(0)
+    r_old = torch.zeros(plan.numel)
+    for step in range(3):
+        flat = torch.randn(plan.numel, generator=torch.Generator().manual_seed(step))
+        buf = flat.clone()
+        res = lowrank_int8_allreduce(
+            buf, plan, st, LocalCollective(), block=32, generator=gen, out=buf,
+            residual_dtype=torch.float32, matmul_dtype=torch.bfloat16, stats=stats,
+        )  # fmt: skip
+        r_new = _residual_flat(plan, st)
+        torch.testing.assert_close(res.out + r_new, flat + r_old, atol=1e-5, rtol=1e-5)
+        assert res.out.data_ptr() == buf.data_ptr() and (res.error_sq is None) == (not stats)
+        r_old = r_new

@@ -287,9 +287,7 @@ def _side_stream(state: CommHookState, device: torch.device) -> Iterator[Any]:
     if device.type != "cuda":
         yield None
         return
-    stream = state._streams.get(device)
-    if stream is None:
-        stream = state._streams[device] = torch.cuda.Stream(device)
+    stream = _side(state, device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         yield stream
@@ -311,12 +309,23 @@ def _unwrap(fut: torch.futures.Future) -> torch.Tensor:
 
 
 def _uses_worker(state: CommHookState, dev: torch.device) -> bool:
+    """The worker serves a real process group: always on CUDA (kernel launches leave the
+    autograd thread), on CPU when there is a link (W > 1)."""
     coll = state.collective
-    return dev.type == "cpu" and isinstance(coll, ProcessGroupCollective) and coll.world_size > 1
+    if not isinstance(coll, ProcessGroupCollective):
+        return False
+    return dev.type == "cuda" or coll.world_size > 1
+
+
+def _side(state: CommHookState, dev: torch.device) -> Any:
+    stream = state._streams.get(dev)
+    if stream is None:
+        stream = state._streams[dev] = torch.cuda.Stream(dev)
+    return stream
 
 
 def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Future:
-    """Reduce ``bucket.buffer()`` in place with ``method``; return its Future.
+    """Hand ``bucket.buffer()`` to its reduction with ``method`` (in place); return its Future.
 
     ``method`` is one of ``allreduce``, ``fp16``, ``bf16``, ``int8``, ``lowrank_int8``;
     int8 and low rank (and every compressing method under ``policy: auto``) run a plain
@@ -324,9 +333,10 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     ``start_iter`` more steps on each bucket whose layout is not the loaded one (a fresh DDP
     rebuilds its buckets after its first step); with ``policy: auto`` each compressing bucket
     then takes the path the policy chose at its first step (measured once per bucket).
-    On CUDA and for in-process collectives the Future is returned completed (CUDA: its
-    value is ready once DDP's stream has waited for the side stream); on gloo with W > 1
-    it completes on the state's worker (see the module docstring).
+    With a process group the chain runs on the state's worker (CUDA: enqueued on the side
+    stream after an event recorded here on the caller's stream; the CUDA-aware Future makes
+    the consumer's stream wait for it); in-process collectives run inline and return a
+    completed Future (see the module docstring).
     """
     state.apply_deferred()
     buf = bucket.buffer()
@@ -335,16 +345,27 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     shapes = tuple(tuple(p.shape) for p in bucket.parameters())
     keep = _keep_ranges(bucket)
     dev = buf.device
+    cuda = dev.type == "cuda"
     if _uses_worker(state, dev):
-        fut: torch.futures.Future = torch.futures.Future()
+        fut: torch.futures.Future = (
+            torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
+        )
         worker = state.worker()
         it = state._submitted_iter
-
         submitted = time.perf_counter()
+        ready = None
+        if cuda:  # the gradients of this bucket, as far as the caller's stream has got
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(dev))
 
         def job() -> torch.Tensor:
+            if ready is not None:
+                stream = _side(state, dev)
+                torch.cuda.set_device(dev)
+                torch.cuda.set_stream(stream)  # the worker thread's own current stream
+                stream.wait_event(ready)
             _reduce_bucket(state, buf, index, shapes, keep, method, is_last, submitted)
-            return buf
+            return buf  # set_result records the Future's event on the side stream
 
         def fatal(e: BaseException) -> bool:
             from .state import NonFiniteGradientError
@@ -360,7 +381,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
             state._submitted_iter += 1
             worker.drain(state.timeout_s)  # nothing of ours may overlap the caller's next call
         return out
-    fut = torch.futures.Future(devices=[dev]) if dev.type == "cuda" else torch.futures.Future()
+    fut = torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
     with _side_stream(state, dev):
         _reduce_bucket(state, buf, index, shapes, keep, method, is_last)
         fut.set_result(buf)
@@ -403,7 +424,7 @@ def _reduce_bucket(
     cuda = dev.type == "cuda"
     start_s = time.perf_counter()
     ev0 = ev1 = None
-    if cuda:
+    if cuda and state.collect_stats:  # device time per bucket (else host time)
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ev0.record()
     if buf.numel() == 0:

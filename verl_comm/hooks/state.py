@@ -480,16 +480,16 @@ class CommHookState:
         self.iteration += 1
         if not pending:
             return
-        nan = float("nan")
         dev = pending[0]["finite"].device
-        scalars = []
-        for p in pending:
-            e, i = p["err_sq"], p["in_sq"]
-            for v in (p["finite"], e, i):
-                if v is None:
-                    v = torch.full((), nan, dtype=torch.float32, device=dev)
-                scalars.append(v.to(dev, torch.float32).reshape(()))
-        vals = torch.stack(scalars)
+        if any(p["err_sq"] is not None or p["in_sq"] is not None for p in pending):
+            nan = torch.full((), float("nan"), dtype=torch.float32, device=dev)
+            scalars = []
+            for p in pending:
+                for v in (p["finite"], p["err_sq"], p["in_sq"]):
+                    scalars.append(nan if v is None else v.to(dev, torch.float32).reshape(()))
+            vals = torch.stack(scalars)
+        else:  # no statistics tracked: the finiteness flags alone, one small stack
+            vals = torch.stack([p["finite"].reshape(()) for p in pending]).float()
         if dev.type == "cuda":
             host = torch.empty(vals.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(vals, non_blocking=True)
@@ -513,7 +513,11 @@ class CommHookState:
             self._apply(host, pending, it)
 
     def _apply(self, vals: torch.Tensor, pending: list[dict[str, Any]], it: int) -> None:
-        rows = vals.view(-1, 3).tolist()
+        flat = vals.view(-1).tolist()
+        if len(flat) == len(pending):  # flags only
+            rows = [(ok, float("nan"), float("nan")) for ok in flat]
+        else:
+            rows = [flat[3 * k : 3 * k + 3] for k in range(len(pending))]
         bad: list[int] = []
         stats: dict[int, BucketStats] = {}
         for p, (ok, e, i) in zip(pending, rows):
