@@ -430,3 +430,24 @@ def test_lowrank_bf16_products_keep_error_feedback_exact(stats):
         torch.testing.assert_close(res.out + r_new, flat + r_old, atol=1e-5, rtol=1e-5)
         assert res.out.data_ptr() == buf.data_ptr() and (res.error_sq is None) == (not stats)
         r_old = r_new
+
+
+def test_policy_decides_with_overlap_in_view():
+    """A plain all-reduce that ends in backward's shadow is kept (compression gains
+    nothing); an exposed one is compressed where that ends the serial timeline earlier."""
+    from verl_comm.compression import decide_overlap
+
+    socket = LinkModel(alpha_s=60e-6, beta_s_per_byte=1 / 2.5e9, world_size=2)
+    plain = ring_allreduce_wire_bytes(25 << 18, 2, 4)  # 26 MB bucket: ~10.5 ms plain
+    kw = dict(plain_bytes=plain, compressed_bytes=plain // 4, compressed_collectives=2,
+              compute_s=1e-3)  # fmt: skip
+    hidden = decide_overlap(socket, shadow_s=0.050, link_free_s=float("-inf"), **kw)
+    assert not hidden.compress and hidden.link_free_s < 0  # ends 39.5 ms before backward
+    exposed = decide_overlap(socket, shadow_s=0.005, link_free_s=float("-inf"), **kw)
+    assert exposed.compress and exposed.link_free_s < exposed.t_plain_s - 0.005
+    # a queue: the link is busy until 20 ms after backward ends, so this bucket is exposed
+    # even though it was ready 50 ms before the end
+    queued = decide_overlap(socket, shadow_s=0.050, link_free_s=0.020, **kw)
+    assert queued.compress and queued.link_free_s == pytest.approx(0.020 + queued.t_compressed_s)
+    local = LinkModel(0.0, 0.0, 1)  # W = 1: nothing to gain, ever
+    assert not decide_overlap(local, shadow_s=0.0, link_free_s=0.0, **kw).compress

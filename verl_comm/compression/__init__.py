@@ -30,7 +30,7 @@ from .lowrank import (
     orthonormalize,
     plan_lowrank,
 )
-from .policy import LinkModel, PolicyDecision, decide, measure_link
+from .policy import LinkModel, PolicyDecision, decide, decide_overlap, measure_link
 
 __all__ = [
     "Collective",
@@ -46,6 +46,7 @@ __all__ = [
     "ThreadGroup",
     "cast_allreduce",
     "decide",
+    "decide_overlap",
     "int8_allreduce",
     "int8_allreduce_wire_bytes",
     "lowrank_int8_allreduce",

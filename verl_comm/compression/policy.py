@@ -9,7 +9,11 @@ Model (alpha-beta, per rank)::
 all-reduces of a small and a large buffer on the real group (:func:`measure_link`);
 ``compute_s`` is the compressor's own compute on this bucket, timed with a
 :class:`~verl_comm.compression.collective.LoopbackCollective` (real shapes, no link).
-Measurements are agreed with a MAX all-reduce, so every rank takes the same decision. On
+Measurements are agreed with a MAX all-reduce, so every rank takes the same decision.
+With overlap in view (:func:`decide_overlap`, what the hooks use) each bucket's chain is
+placed on a serial timeline that starts when its gradients are ready, ``shadow_s`` before
+the end of backward (measured on a plain step): a plain all-reduce that ends in backward's
+shadow is kept, and a bucket is compressed only where that ends the timeline earlier. On
 NVLink (``beta`` ~ 3 ps/B) compression rarely pays and the policy falls back to the plain
 all-reduce; on a 2.5 GB/s socket link it compresses.
 """
@@ -114,6 +118,9 @@ class PolicyDecision:
         compute_s: measured compressor compute (max over ranks).
         plain_bytes, compressed_bytes: bytes sent per rank by each path.
         alpha_s, beta_s_per_byte: the link model used.
+        shadow_s: backward time still to come when the bucket was ready (measured).
+        link_free_s: when (relative to the end of backward, seconds) the link is predicted
+            free after this bucket on the chosen path.
     """
 
     compress: bool
@@ -124,6 +131,8 @@ class PolicyDecision:
     compressed_bytes: int
     alpha_s: float
     beta_s_per_byte: float
+    shadow_s: float = 0.0
+    link_free_s: float = 0.0
 
     def to_dict(self) -> dict:
         """Plain dict (JSON-serialisable)."""
@@ -163,4 +172,48 @@ def decide(
         compressed_bytes=compressed_bytes,
         alpha_s=link.alpha_s,
         beta_s_per_byte=link.beta_s_per_byte,
+    )
+
+
+def decide_overlap(
+    link: LinkModel,
+    *,
+    plain_bytes: int,
+    compressed_bytes: int,
+    compressed_collectives: int,
+    compute_s: float,
+    shadow_s: float,
+    link_free_s: float,
+    margin: float = 0.05,
+) -> PolicyDecision:
+    """:func:`decide` with overlap in view (pure): the buckets' chains run one after the
+    other on one worker/link, starting when the bucket is ready, ``shadow_s`` before the end
+    of backward. Times are relative to the end of backward (0); what ends before it is
+    hidden, what ends after it is exposed.
+
+    The bucket takes the path that ends its chain earlier (that is also the path that ends
+    every later bucket earlier, since a later chain starts when this one ends), with two
+    guards: compress only if that ends more than ``margin`` of the plain path's own time
+    earlier, and never when the plain all-reduce already ends in backward's shadow
+    (compression could then gain nothing and costs compute on the shared device).
+
+    Returns:
+        :class:`PolicyDecision` whose ``link_free_s`` feeds the next bucket's decision.
+    """
+    t_plain = link.time_s(plain_bytes, 1)
+    t_comp = link.time_s(compressed_bytes, compressed_collectives) + compute_s
+    start = max(-shadow_s, link_free_s)
+    end_plain, end_comp = start + t_plain, start + t_comp
+    compress = end_comp < end_plain - margin * t_plain and end_plain > 0.0
+    return PolicyDecision(
+        compress=compress,
+        t_plain_s=t_plain,
+        t_compressed_s=t_comp,
+        compute_s=compute_s,
+        plain_bytes=plain_bytes,
+        compressed_bytes=compressed_bytes,
+        alpha_s=link.alpha_s,
+        beta_s_per_byte=link.beta_s_per_byte,
+        shadow_s=shadow_s,
+        link_free_s=end_comp if compress else end_plain,
     )

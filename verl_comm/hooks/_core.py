@@ -53,7 +53,7 @@ from verl_comm.compression.lowrank import (
     payload_wire_bytes,
 )
 from verl_comm.compression.lowrank import plan_lowrank as _plan_lowrank
-from verl_comm.compression.policy import LinkModel, decide, measure_link, time_call
+from verl_comm.compression.policy import LinkModel, decide_overlap, measure_link, time_call
 
 from .state import BucketState, CommHookState
 
@@ -251,20 +251,27 @@ def policy_decision(
     saved_rng = state.generator.get_state()
     compute = time_call(lambda: fn(state, scratch, buf.clone(), LoopbackCollective(w)), buf.device)
     state.generator.set_state(saved_rng)
-    agreed = torch.tensor([compute], dtype=torch.float64, device=buf.device)
+    agreed = torch.tensor([compute, state.shadow_of(index)], dtype=torch.float64, device=buf.device)
     coll.all_reduce_max(agreed)
+    compute_s, shadow_s = (float(v) for v in agreed.tolist())
     wire, calls = compressed_wire(state, bs, method, buf, w)
-    bs.decision = decide(
+    if index == 0:
+        state._link_free_s = float("-inf")
+    bs.decision = decide_overlap(
         state.link,
         plain_bytes=ring_allreduce_wire_bytes(buf.numel(), w, buf.element_size()),
         compressed_bytes=wire,
         compressed_collectives=calls,
-        compute_s=float(agreed.item()),
+        compute_s=compute_s,
+        shadow_s=shadow_s,
+        link_free_s=state._link_free_s,
     )
     d = bs.decision
+    state._link_free_s = d.link_free_s
     logger.info(
         "policy auto: bucket %d (%d x %s, W=%d): %s; plain %.3f ms (%d B), %s %.3f ms "
-        "(%d B + %.3f ms compute), link alpha %.1f us, %.2f GB/s",
+        "(%d B + %.3f ms compute), shadow %.3f ms, link free at %+.3f ms, link alpha %.1f "
+        "us, %.2f GB/s",
         index,
         buf.numel(),
         buf.dtype,
@@ -276,6 +283,8 @@ def policy_decision(
         d.t_compressed_s * 1e3,
         d.compressed_bytes,
         d.compute_s * 1e3,
+        d.shadow_s * 1e3,
+        d.link_free_s * 1e3,
         d.alpha_s * 1e6,
         state.link.busbw_GBps,
     )
@@ -346,6 +355,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     keep = _keep_ranges(bucket)
     dev = buf.device
     cuda = dev.type == "cuda"
+    state.mark_ready(index, is_last, dev)
     if _uses_worker(state, dev):
         fut: torch.futures.Future = (
             torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()

@@ -12,6 +12,7 @@ object pickles without the group too (it is re-bound to WORLD on unpickling).
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -234,8 +235,39 @@ class CommHookState:
         self._worker: Any = None
         self._submitted_iter = 0
         self._inflight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], int]] = []
+        self._marks: dict[int, tuple[float, Any]] = {}
+        self._prev_marks: dict[int, tuple[float, Any]] = {}
+        self._link_free_s = float("-inf")
 
     # -- execution -------------------------------------------------------------------
+    def mark_ready(self, index: int, is_last: bool, device: torch.device) -> None:
+        """Note when bucket ``index`` was handed over (policy ``auto`` only, until every
+        bucket is decided): host time, and on CUDA an event on the caller's stream."""
+        if self.config.policy != "auto" or self.iteration > self.config.start_iter + 1:
+            return
+        ev = None
+        if device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(device))
+        self._marks[index] = (time.perf_counter(), ev)
+        if is_last:
+            self._prev_marks, self._marks = self._marks, {}
+            self._last_index = index
+
+    def shadow_of(self, index: int) -> float:
+        """Seconds of backward left after bucket ``index`` was ready, on the last complete
+        step before this one (0 if unknown; the last bucket's shadow is 0). Reading CUDA
+        events waits for them: a one-time sync while the policy decides."""
+        marks = self._prev_marks
+        last = getattr(self, "_last_index", None)
+        if index not in marks or last not in marks:
+            return 0.0
+        (t_b, ev_b), (t_last, ev_last) = marks[index], marks[last]
+        if ev_b is not None and ev_last is not None:
+            ev_last.synchronize()
+            return max(ev_b.elapsed_time(ev_last), 0.0) / 1e3
+        return max(t_last - t_b, 0.0)
+
     def worker(self) -> Any:
         """The communication worker of the gloo path (started on first use)."""
         if self._worker is None:
