@@ -32,7 +32,7 @@ W2 = [
     *(f"unused_residual:method={m}" for m in METHODS),
     "failure:method=int8",  # last: its process group is broken afterwards
 ]
-W3 = ["many_steps:method=int8", "many_steps:method=lowrank_int8", "failure:method=int8"]
+W3 = ["many_steps:method=int8", "failure:method=int8"]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def session(tmp_path_factory):
         if world not in cache:
             d = tmp_path_factory.mktemp(f"async_w{world}")
             specs = W2 if world == 2 else W3
-            cache[world] = launcher.spawn_session(world, specs, d, timeout_s=300, script=SCRIPT)
+            cache[world] = launcher.spawn_session(world, specs, d, timeout_s=480, script=SCRIPT)
         return cache[world]
 
     return get
@@ -57,9 +57,12 @@ def _res(per_rank: list[dict], spec: str) -> list[dict]:
     return out
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("method", ["int8", "lowrank_int8"])
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "world,method",
+    [(2, "int8"), (2, "lowrank_int8"), (3, "int8")],
+    ids=["w2-int8", "w2-lowrank", "w3-int8"],
+)
 def test_100_steps_no_deadlock_caller_collective_in_order(session, world, method):
     res = _res(session(world), f"many_steps:method={method}")
     for r in res:
@@ -69,7 +72,7 @@ def test_100_steps_no_deadlock_caller_collective_in_order(session, world, method
     assert len({r["hash"] for r in res}) == 1  # replicas bit-identical after 100 steps
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("spec", ["many_steps:method=bf16", "many_steps:method=int8,reducer=True"])
 def test_bf16_and_reducer_100_steps(session, spec):
     res = _res(session(2), spec)
@@ -78,7 +81,7 @@ def test_bf16_and_reducer_100_steps(session, spec):
     assert len({r["hash"] for r in res}) == 1
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_bucket_communication_overlaps_later_backward(session):
     res = _res(session(2), "overlap:method=int8")
     tl = {b: (start, dur, sub) for b, start, dur, sub in res[0]["timeline"]}
@@ -91,7 +94,7 @@ def test_bucket_communication_overlaps_later_backward(session):
     assert sub1 - sub0 >= 0.35
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
 def test_worker_exception_is_one_clear_error_on_every_rank(session, world):
     res = _res(session(world), "failure:method=int8")
@@ -102,7 +105,7 @@ def test_worker_exception_is_one_clear_error_on_every_rank(session, world):
         assert r["seconds"] < 4 + 30  # the process group's 4 s timeout, plus a loaded CPU
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_lowrank_bucket_collectives_counted(session):
     res = _res(session(2), "count")
     for r in res:
@@ -113,7 +116,7 @@ def test_lowrank_bucket_collectives_counted(session):
         assert r["per_step"][-1] == sum(b["calls"] for b in r["buckets"]), r
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_state_dict_while_buckets_in_flight(session):
     res = _res(session(2), "state_dict_in_flight")
     for r in res:
@@ -122,7 +125,7 @@ def test_state_dict_while_buckets_in_flight(session):
         assert r["buckets"][1]["equal_before"]  # bucket 1: not produced yet
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("method", METHODS)
 def test_gradientless_parameter_keeps_its_residual(session, method):
     """Issue 18 item 4 (fails on b1174c6: the int8 residual of the unused layer was sent
