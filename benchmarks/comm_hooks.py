@@ -1,6 +1,6 @@
 """DDP step time with gradient comm hooks: torch's built-ins vs verl_comm's, side by side.
 
-Workload (the DDP baseline of ``benchmarks/results/comm_hooks.md``): 2 ranks, DDP over ``nn.Sequential`` of 24 x
+Workload (``../shared/FACTS.md`` section 1): 2 ranks, DDP over ``nn.Sequential`` of 24 x
 ``nn.Linear(4096, 4096)`` (402.8 M parameters, fp32 weights), input 4096 x 4096, bf16
 autocast, loss ``mean(out.float()**2)``, SGD, ``bucket_cap_mb=25``.
 
@@ -106,8 +106,6 @@ def _importable_checkout() -> None:
 
 _importable_checkout()
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # comm_hooks_report
-from verl_comm.distributed.launch import run_ranks  # noqa: E402  (after the checkout is importable)
-
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 TORCH_FIXED = ("none", "torch_bf16", "torch_fp16")
 REDUCER = {"reducer_none": {}, "reducer_int8": {"gradient_compression": "int8"}}
@@ -713,7 +711,10 @@ def _check_env(label: str) -> None:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Run the ranks as subprocesses, once per transport label, and merge results."""
+    """Run the ranks (``verl_comm.distributed.launch.run_ranks``: one message and nothing
+    left behind when a rank fails), once per transport label, and merge the results."""
+    from verl_comm.distributed.launch import run_ranks
+
     default = "local" if args.world == 1 else ("gloo" if args.cpu else "nvlink,socket")
     labels = [x for x in (args.transport or default).split(",") if x]
     out = Path(args.out)
@@ -722,20 +723,19 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     deadline = time.monotonic() + args.deadline_s
     status = 0
     for label in labels:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = {k: v for k, v in os.environ.items() if k not in SOCKET_ENV}
         env.setdefault("NCCL_NVLS_ENABLE", "0")
-        for k in SOCKET_ENV:
-            env.pop(k, None)
         if label == "socket":
             env.update(SOCKET_ENV)
         part = out / f".{BENCH}.{label}.part"
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--run-id", args.run_id,
                "--transport", label, "--part", str(part)]  # fmt: skip
-        res = run_ranks(cmd, args.world, base_env=env, name=f"[{label}]",
-                        deadline_s=max(deadline - time.monotonic(), 1.0))  # fmt: skip
+        res = run_ranks(
+            cmd, args.world, base_env=env, env={"OMP_NUM_THREADS": "1"},
+            deadline_s=max(deadline - time.monotonic(), 1.0), name=f"comm_hooks [{label}]",
+        )  # fmt: skip
         if not res.ok or not part.exists():
-            codes = [e.returncode for e in res.exits]
-            print(f"[{label}] FAILED, rank exit codes {codes}; no records", file=sys.stderr)
+            print(f"[{label}] FAILED ({res.message}); no records", file=sys.stderr)
             status = 1
             continue
         recs += [json.loads(x) for x in part.read_text().splitlines() if x.strip()]

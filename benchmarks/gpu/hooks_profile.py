@@ -24,6 +24,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comm_hooks as ch  # noqa: E402
 
+from verl_comm.distributed.launch import free_port  # noqa: E402
+
 
 def sync_stacks(m: ch.Method, x: torch.Tensor) -> collections.Counter:
     """Stacks (innermost repo frames) of every synchronising CUDA call in one step."""
@@ -66,7 +68,7 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=4096)
     a = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(ch.free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
