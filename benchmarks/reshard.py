@@ -154,6 +154,7 @@ def bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
         del expected
         times: dict[str, list[float]] = {m: [] for m in METHODS}
         peaks: dict[str, int] = {m: 0 for m in METHODS}
+        phases: dict[str, list[tuple]] = {m: [] for m in METHODS}  # (pack, wire, unpack) s
         stats = {}
         for i in range(opts["warmup"] + opts["rounds"]):
             for m, eng in engines.items():
@@ -182,6 +183,8 @@ def bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if i >= opts["warmup"]:
                     times[m].append(t.item())
+                    ls = eng.last_stats
+                    phases[m].append((ls.pack_s, ls.wire_s, ls.unpack_s))
                 peaks[m] = max(peaks[m], peak)
                 stats[m] = eng.last_stats
         for m in METHODS:
@@ -192,6 +195,12 @@ def bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
                 device=device,
             )
             dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+            split = {"pack_s": None, "wire_s": None, "unpack_s": None}
+            if phases[m] and phases[m][0][0] is not None:  # the engine measures its phases
+                med = [statistics.median(x[k] for x in phases[m]) for k in range(3)]
+                pw = torch.tensor(med, dtype=torch.float64, device=device)
+                dist.all_reduce(pw, op=dist.ReduceOp.MAX)  # the slowest rank's, as time_s
+                split = dict(zip(split, pw.tolist()))
             out.append(
                 {
                     "method": m,
@@ -206,6 +215,7 @@ def bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
                     "bytes_sent_per_rank": int(vals[3].item()),
                     "model_bytes": model_bytes,
                     "buckets": s.buckets,
+                    **split,
                     "numerics_ok": True,
                 }
             )
@@ -263,22 +273,31 @@ def write_results(
         f"# reshard ({meta['device']}, {meta['model']}, {meta['dtype']}, world {meta['world_size']}, "
         f"bucket {meta['bucket_mb']} MiB, {meta['date']}, commit {meta['commit']})",
         "",
-        "| train -> rollout | method | time (ms) | MB/rank received | lower bound MB | "
-        "model MB | peak extra MB | time vs naive |",
-        "|---|---|---|---|---|---|---|---|",
+        "| train -> rollout | method | time (ms) | pack / wire / unpack (ms) | MB/rank received "
+        "| lower bound MB | model MB | peak extra MB | time vs naive |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def split(r: dict) -> str:
+        if r.get("wire_s") is None:
+            return "-"
+        return " / ".join(f"{r[k] * 1e3:.2f}" for k in ("pack_s", "wire_s", "unpack_s"))
+
     for r in recs:
         naive = by[(r["train_layout"], r["rollout_layout"], "naive_allgather")]["time_s"]
         ratio = r["time_s"] / naive if naive > 0 else float("nan")
         lines.append(
             f"| {r['train_layout']} -> {r['rollout_layout']} | {r['method']} | {r['time_s'] * 1e3:.2f} | "
-            f"{r['bytes_per_rank'] / 1e6:.2f} | {r['lower_bound_bytes'] / 1e6:.2f} | "
+            f"{split(r)} | {r['bytes_per_rank'] / 1e6:.2f} | {r['lower_bound_bytes'] / 1e6:.2f} | "
             f"{r['model_bytes'] / 1e6:.1f} | {r['peak_extra_bytes'] / 1e6:.1f} | {ratio:.2f} |"
         )
     lines += [
         "",
         "Targets: engine bytes_per_rank == lower_bound_bytes for every pair; engine time <= 0.4 x "
         "naive where the lower bound is below half the model, never slower otherwise.",
+        "pack / wire / unpack: ReshardStats of the engine (median over rounds, slowest rank): "
+        "copies into the send buffers, time with a bucket on the wire (overlapping buckets "
+        "counted once), copies out of the receive buffers; each at most the wall time.",
     ]
     text = "\n".join(lines) + "\n"
     md = out / f"{stem}.md"

@@ -45,5 +45,10 @@ def test_reshard_benchmark_smoke(tmp_path):
         < 0.6 * by[("PP2", "naive_allgather")]["bytes_per_rank"]
     )
     assert by[("DP2", "engine")]["bytes_per_rank"] == 0
+    for r in recs:  # the engine's pack / wire / unpack split, each within its wall time
+        if r["method"].startswith("engine"):
+            assert all(0 <= r[k] <= r["time_s"] for k in ("pack_s", "wire_s", "unpack_s")), r
+        else:
+            assert r["wire_s"] is None
     md = (tmp_path / "reshard.md").read_text()
     assert "| PP2 -> TP2 | engine |" in md and "Targets" in md
