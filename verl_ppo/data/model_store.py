@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -136,18 +137,70 @@ def _convert(gguf: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def resolve_model_path(path: str | None) -> Path:
-    """Return the HF folder to load: ``path`` if given (validated), else the packaged SmolLM2.
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache searched for model ids, read from the environment now:
+    ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``, else
+    ``~/.cache/huggingface/hub`` (huggingface_hub's documented order)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "huggingface" / "hub"
+
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def resolve_hf_id(repo_id: str, revision: str | None = None) -> Path:
+    """The snapshot folder of model ``repo_id`` in the local hub cache, offline.
+
+    ``huggingface_hub.snapshot_download(local_files_only=True)`` is used: nothing is
+    downloaded, no network is touched.
 
     Raises:
-        ModelStoreError: ``path`` does not exist or holds no ``config.json``.
+        ModelStoreError: naming the id and the cache searched when it is not there.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hf_hub_cache()
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision, cache_dir=str(cache), local_files_only=True
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as exc:
+        raise ModelStoreError(
+            f"model.path={repo_id!r} is not a local folder, and the Hugging Face model "
+            f"{repo_id!r} is not in the local cache {cache} (searched offline; set HF_HOME "
+            f"or HF_HUB_CACHE to another cache, or download it there first: "
+            f"`hf download {repo_id}`) [{type(exc).__name__}]"
+        ) from None
+    p = Path(folder)
+    if not (p / "config.json").is_file():
+        raise ModelStoreError(
+            f"the cached snapshot of {repo_id!r} at {p} holds no config.json (incomplete download)"
+        )
+    return p
+
+
+def resolve_model_path(path: str | None) -> Path:
+    """Return the HF folder to load: ``path`` if it is a local folder (validated), else
+    ``path`` as a Hugging Face model id resolved offline from the local hub cache
+    (:func:`resolve_hf_id`); None = the packaged SmolLM2.
+
+    Raises:
+        ModelStoreError: a folder without ``config.json``, or an id absent from the cache.
     """
     if path is None:
         return ensure_smollm2()
     p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
-        raise ModelStoreError(
-            f"model.path={path!r} is not a HF model folder (no config.json there); "
-            "point it at a folder written by save_pretrained, or leave it unset for SmolLM2"
-        )
-    return p
+    if p.is_dir() or not _HF_ID.match(path) or path.startswith((".", "~")):
+        if not (p / "config.json").is_file():
+            raise ModelStoreError(
+                f"model.path={path!r} is not a HF model folder (no config.json there); "
+                "point it at a folder written by save_pretrained, or a Hugging Face model id "
+                "in the local cache, or leave it unset for SmolLM2"
+            )
+        return p
+    return resolve_hf_id(path)
