@@ -1,4 +1,5 @@
-"""``verl-ppo`` command line: ``train`` (the main job) and ``reward-server``."""
+"""``verl-ppo`` command line: ``train`` (the main job), ``export``, ``eval``, ``generate``,
+``reward-server``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = (
         "usage: verl-ppo train --config FILE [dotted.key=value ...]\n"
+        "       verl-ppo export RUN_DIR [--step N] OUT_DIR [--critic]\n"
+        "       verl-ppo eval --model RUN_DIR|HF_FOLDER|HF_ID [--task T] [--n 64]\n"
+        "       verl-ppo generate --model RUN_DIR|HF_FOLDER|HF_ID --prompt TEXT\n"
         "       verl-ppo reward-server [--host H] [--port P] [--model SPEC]"
     )
     if not argv or argv[0] in ("-h", "--help"):
@@ -23,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd not in ("train", "reward-server"):
+    if cmd not in ("train", "export", "eval", "generate", "reward-server"):
         print(f"verl-ppo: unknown command {cmd!r}\n{usage}", file=sys.stderr)
         return 2
     try:
@@ -31,6 +35,14 @@ def main(argv: list[str] | None = None) -> int:
             from verl_ppo.train import main as train_main
 
             return train_main(rest)
+        if cmd == "export":
+            from verl_ppo.export import main as export_main
+
+            return export_main(rest)
+        if cmd in ("eval", "generate"):
+            from verl_ppo.evaluate import eval_main, generate_main
+
+            return (eval_main if cmd == "eval" else generate_main)(rest)
         from verl_ppo.reward.server import main as server_main
 
         return int(server_main(rest) or 0)

@@ -236,6 +236,10 @@ class TrainConfig(_Strict):
         description="metric backends (verl_ppo/tracking.py): console lines, run_dir/metrics.jsonl, "
         "TensorBoard events in run_dir/tensorboard, a wandb run in run_dir/wandb",
     )
+    export_hf: bool = Field(
+        True, description="end the run by writing the actor to run_dir/hf/actor (save_pretrained)"
+    )
+    export_critic: bool = Field(False, description="also write the critic to run_dir/hf/critic")
     project_name: str = Field("verl_ppo", description="wandb project")
     experiment_name: str | None = Field(None, description="wandb run name; None = run_dir's name")
     wandb_mode: Literal["offline", "online", "disabled"] | None = Field(
@@ -406,6 +410,11 @@ class PPOConfig(_Strict):
         from verl_ppo.pipeline.checks import check_pipeline_config
 
         check_pipeline_config(self)
+        if t.export_critic and a.adv_estimator != "gae":
+            raise ValueError(
+                f"train.export_critic=true but algorithm.adv_estimator={a.adv_estimator} trains "
+                "no critic: set train.export_critic=false"
+            )
         pr = self.profiler
         if pr.enable:
             bad = [s for s in pr.steps if not 1 <= s <= t.num_steps]

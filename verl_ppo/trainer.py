@@ -191,6 +191,8 @@ class PPOTrainer:
         self.kl_ctrl = make_kl_controller(kl.controller, kl.kl_coef, kl.target_kl, kl.horizon)
         self._claim_run_dir()
         keep = cfg.train.keep_last_checkpoints
+        if self.rank == 0:
+            self._write_run_meta()
         self.ckpt = CheckpointManager(cfg.run_dir, self.ctx, self.group, keep_last=keep)
         if cfg.train.resume == "auto":
             self._maybe_resume()
@@ -377,6 +379,35 @@ class PPOTrainer:
             error = box[0]
         if error:
             raise RunDirError(error)
+
+    def _write_run_meta(self) -> None:
+        """``run_dir/config.yaml`` and ``run_dir/model_config`` (what ``verl-ppo export`` and
+        ``verl-ppo eval`` need besides the weights); rank 0."""
+        import yaml
+
+        from verl_ppo.data.model_store import resolve_model_path
+        from verl_ppo.export import save_model_meta
+
+        run_dir = Path(self.config.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(
+            yaml.safe_dump(self.config.model_dump(mode="json", by_alias=True), sort_keys=False)
+        )
+        policy = self.actor.module
+        save_model_meta(
+            run_dir,
+            policy.config,
+            resolve_model_path(self.config.model.path),
+            getattr(policy, "generation_config", None),
+        )
+
+    def export_hf(self, critic: bool | None = None) -> dict[str, Path]:
+        """Write the actor (and the critic: ``critic`` or ``train.export_critic``) as HF
+        folders under ``run_dir/hf`` (collective; see :mod:`verl_ppo.export`)."""
+        from verl_ppo.export import export_live
+
+        want_critic = self.config.train.export_critic if critic is None else critic
+        return export_live(self.engines, self.rank, self.config.run_dir, critic=want_critic)
 
     def _strategy(self, role_cfg: Any, engines_cfg: dict[str, Any]) -> DeepSpeedStrategy:
         """The DeepSpeed strategy of one role (``actor`` or ``critic`` config section), with
@@ -725,6 +756,9 @@ class PPOTrainer:
             t_save = time.perf_counter()
             path = self.save_checkpoint()
             self.log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t_save)
+        if cfg.train.export_hf and out and not self.stopped_by:
+            for role, path in self.export_hf().items():
+                self.log.info("%s exported to %s (AutoModel*.from_pretrained)", role, path)
         if self.stopped_by:
             self.log.warning(
                 "signal %d: stopped after step %d with a checkpoint; run the same command to "
