@@ -12,9 +12,14 @@ from verl_ppo.data.model_store import resolve_model_path
 
 def load_tokenizer(model_cfg: Any) -> Any:
     """The tokenizer of ``model.path`` (or SmolLM2's), left padding, pad = eos if unset."""
+    return tokenizer_for_generation(resolve_model_path(model_cfg.path))
+
+
+def tokenizer_for_generation(path: str | Path) -> Any:
+    """The tokenizer of the HF folder ``path`` set up for batched generation: left
+    padding, pad = eos if it has no pad token."""
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(model_cfg.path)
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
