@@ -16,9 +16,10 @@ Weights come from one of these sources, each yielding one full state dict on ran
 - a live ZeRO-3 engine: :func:`gather_state_dict` all-gathers the partitioned parameters
   bucket by bucket (``deepspeed.zero.GatheredParameters``), copies them to host memory on
   rank 0 and frees them before the next bucket;
-- a strategy that holds only part of the model (a pipeline stage) can provide
-  ``gather_full_state_dict() -> dict | None`` (full state dict on rank 0, None elsewhere);
-  :func:`engine_state_dict` uses it when present;
+- a strategy that holds only part of the model (a pipeline stage) provides
+  ``full_state_dict() -> dict | None`` (the full state dict, HF names, on the first rank of
+  each pipeline, global rank 0 among them; None elsewhere); :func:`engine_state_dict` uses
+  it when present;
 - a checkpoint (``verl-ppo export RUN_DIR [--step N] OUT_DIR``): ZeRO 0-2 from the module
   states DeepSpeed wrote, ZeRO-3 through DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``.
 
@@ -143,9 +144,9 @@ def gather_state_dict(
 
 def engine_state_dict(strategy: Any, rank: int) -> tuple[dict[str, torch.Tensor] | None, dict]:
     """Full state dict of a role's model on rank 0 (collective), from the strategy's own
-    ``gather_full_state_dict()`` when it has one (pipeline stages), else
+    ``full_state_dict()`` when it has one (pipeline stages gather theirs), else
     :func:`gather_state_dict` of its module."""
-    own = getattr(strategy, "gather_full_state_dict", None)
+    own = getattr(strategy, "full_state_dict", None)
     if callable(own):
         t0 = time.perf_counter()
         sd = own()
@@ -288,7 +289,18 @@ def write_value_model(
 
 
 def _assign(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load ``state_dict`` into a meta-device model by assignment (no copy)."""
+    """Load ``state_dict`` into a meta-device model by assignment (no copy). With tied
+    embeddings a state dict may name the tied tensor once (a pipeline's stages hold it
+    under one name); the other name then refers to the same tensor."""
+    state_dict = dict(state_dict)
+    if getattr(model.config, "tie_word_embeddings", False):
+        names = {id(m): n for n, m in model.named_modules()}
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+        if inp is not None and out is not None:
+            a, b = names[id(inp)] + ".weight", names[id(out)] + ".weight"
+            for have, miss in ((a, b), (b, a)):
+                if have in state_dict and miss not in state_dict:
+                    state_dict[miss] = state_dict[have]
     want = set(model.state_dict())
     missing, extra = sorted(want - set(state_dict)), sorted(set(state_dict) - want)
     if missing or extra:
@@ -315,15 +327,12 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     Raises:
         ExportError: no such complete checkpoint (the ones present are listed).
     """
-    root = Path(run_dir) / "checkpoints"
-    if step is None:
-        from verl_ppo.checkpoint import CheckpointManager
+    from verl_ppo.checkpoint import complete_checkpoints, latest_checkpoint
 
-        path = CheckpointManager(run_dir, rank=0).latest()
-    else:
-        path = root / f"step_{step:06d}"
+    root = Path(run_dir) / "checkpoints"
+    path = latest_checkpoint(root) if step is None else root / f"step_{step:06d}"
     if path is None or not (path / "COMPLETE").is_file():
-        have = sorted(p.name for p in root.glob("step_*") if (p / "COMPLETE").is_file())
+        have = [p.name for p in complete_checkpoints(root)]
         want = "a complete checkpoint" if step is None else f"step {step}"
         raise ExportError(f"{root} has no {want}; complete checkpoints: {have or 'none'}")
     return path

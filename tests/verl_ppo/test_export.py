@@ -79,6 +79,32 @@ def test_write_and_load_actor_and_critic_exactly(tmp_path):
     assert torch.equal(got, critic(ids, mask))
 
 
+@torch.no_grad()
+def test_strategy_gathering_itself_is_used_and_a_tied_name_may_be_missing(tmp_path):
+    """The hook a pipeline strategy plugs in (``full_state_dict()``, stages gathered by it):
+    its dict is what gets written, and naming the tied embedding once is enough."""
+    from verl_ppo.data.model_store import ensure_smollm2
+    from verl_ppo.export import engine_state_dict
+
+    policy = _tiny_policy(seed=3)
+    meta = save_model_meta(tmp_path, policy.config, ensure_smollm2(), policy.generation_config)
+
+    class StagesStrategy:
+        calls = 0
+
+        def full_state_dict(self):
+            StagesStrategy.calls += 1
+            sd = {k: v.clone() for k, v in policy.state_dict().items()}
+            del sd["lm_head.weight"]  # the stages hold the tied tensor under one name
+            return sd
+
+    sd, _ = engine_state_dict(StagesStrategy(), rank=0)
+    out = write_causal_lm(sd, meta, tmp_path / "actor")
+    assert StagesStrategy.calls == 1
+    ids = torch.randint(0, 49152, (2, 5))
+    assert torch.equal(_load(out)(ids).logits, policy(ids).logits)
+
+
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(ExportError, match="no step 7; complete checkpoints: none"):
         find_checkpoint(tmp_path, 7)
