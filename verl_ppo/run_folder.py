@@ -9,7 +9,8 @@
   holding a complete checkpoint resumes from it; a folder that holds ``metrics.jsonl`` but
   no complete checkpoint is *refused* (its steps could not be continued and new rows would
   mix with old ones); ``train.resume=never`` is the way to start over: the old
-  ``metrics.jsonl`` and ``checkpoints/`` are renamed aside with a UTC time stamp
+  ``metrics.jsonl``, ``checkpoints/`` and the ``tensorboard/`` and ``wandb/`` logger folders
+  are renamed aside with a UTC time stamp
   (``metrics.jsonl.old-20261201T181500Z``), nothing is deleted.
 - **Stop** (:class:`StopRequest`): SIGINT and SIGTERM set a flag; at the next step boundary
   every rank learns of it through one small all-reduce, the trainer saves a checkpoint and
@@ -123,7 +124,7 @@ def prepare_run_dir(run_dir: str | Path, resume: str) -> list[str]:
         return []
     moved = []
     stamp = _stamp()
-    for path in (metrics, ckpt_root):
+    for path in (metrics, ckpt_root, root / "tensorboard", root / "wandb"):  # train.logger
         if path.exists():
             aside = path.with_name(f"{path.name}.old-{stamp}")
             os.replace(path, aside)

@@ -190,3 +190,16 @@ def test_wandb_offline_run_without_network(tmp_path):
         if rec.WhichOneof("record_type") == "history"
     ]
     assert history == [{"timing_s/gen": 0.5 + s, "reward/mean": s / 10} for s in range(3)]
+
+
+def test_resume_never_moves_logger_folders_aside(tmp_path):
+    """A fresh start keeps old TensorBoard events and the old wandb run id out of the new run."""
+    from verl_ppo.run_folder import prepare_run_dir
+
+    for d in ("tensorboard", "wandb"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "x").write_text("old")
+    moved = prepare_run_dir(tmp_path, "never")
+    assert len(moved) == 2
+    assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "wandb").exists()
+    assert sorted(p.name.split(".old-")[0] for p in tmp_path.iterdir()) == ["tensorboard", "wandb"]
