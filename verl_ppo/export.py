@@ -248,8 +248,9 @@ def write_value_model(
     """Write the critic (:class:`~verl_ppo.roles.critic.ValueModel`: ``backbone.*`` +
     ``value_head``) as a HF token-classification model with one label: the backbone under
     the base-model prefix, ``value_head`` as the classification head.
-    ``AutoModelForTokenClassification.from_pretrained(out)(ids).logits[..., 0]`` are the
-    critic's values ``(B, L)``.
+    ``AutoModelForTokenClassification.from_pretrained(out)(ids, attention_mask=mask,
+    position_ids=pos).logits[..., 0]`` are the critic's values ``(B, L)``, with
+    ``pos = (mask.cumsum(-1) - 1).clamp_min(0)`` as the critic uses for left padding.
 
     Raises:
         ExportError: the config's family has no token-classification head of that shape.

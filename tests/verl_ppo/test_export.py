@@ -141,7 +141,7 @@ with torch.no_grad():
 zero3 = all(hasattr(p, "ds_id") for p in t.actor.module.parameters())
 t.close()
 export_checkpoint(run, run + "/from_ckpt", critic=True)
-res = {"zero3": zero3}
+res = {"zero3": zero3, "trained_head": bool(values.abs().max() > 0)}
 with torch.no_grad():
     for name, d in (("live", run + "/hf"), ("ckpt", run + "/from_ckpt")):
         actor = d + "/actor" if name == "live" else d
@@ -149,7 +149,8 @@ with torch.no_grad():
         res[name + "_logits"] = torch.equal(
             m(input_ids=ids, attention_mask=mask, position_ids=pos).logits, logits)
         c = aligned(TC.from_pretrained(d + "/critic").eval())
-        res[name + "_values"] = torch.equal(c(ids, attention_mask=mask).logits[..., 0], values)
+        got = c(ids, attention_mask=mask, position_ids=pos).logits[..., 0]
+        res[name + "_values"] = torch.equal(got, values)
 print(json.dumps(res))
 """
 
@@ -169,6 +170,7 @@ def test_export_of_zero3_actor_and_zero0_critic_gives_the_trained_logits(tmp_pat
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res == {
         "zero3": True,
+        "trained_head": True,  # the critic's head left zero would make any values match
         "live_logits": True,
         "live_values": True,
         "ckpt_logits": True,
