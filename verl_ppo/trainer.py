@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import json
 import os
 import random
 import time
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import yaml
 from tqdm import tqdm
 
 from verl_comm.profiler import VerlProfiler
@@ -42,16 +44,19 @@ from verl_ppo.algorithms import (
 )
 from verl_ppo.checkpoint import CheckpointManager
 from verl_ppo.config import PPOConfig, build_config, load_config
+from verl_ppo.data.model_store import resolve_model_path
 from verl_ppo.data.tasks import Task
 from verl_ppo.distributed import ensure_process_group, environment_findings
 from verl_ppo.experience import Experience
 from verl_ppo.experience_maker import ExperienceMaker, rollout_metrics
+from verl_ppo.export import export_live, save_model_meta
 from verl_ppo.fast_path import (
     BUDGET_FRACTION,
     token_budget_from_free_memory,
     training_bytes_per_token,
 )
 from verl_ppo.fast_path import resolve as resolve_fast_path
+from verl_ppo.launch import launch
 from verl_ppo.metrics import PhaseTimer, get_logger
 from verl_ppo.models import (
     build_policy,
@@ -61,13 +66,16 @@ from verl_ppo.models import (
 )
 from verl_ppo.monitor import PrometheusMonitor
 from verl_ppo.perf import ModelFlops, device_peaks, phase_perf
+from verl_ppo.pipeline.build import build_pipeline_roles, pipeline_fast_path
 from verl_ppo.pipeline.checks import check_pipeline_world, pipeline_degree
+from verl_ppo.report import RunSummary, Sample, format_samples
 from verl_ppo.reshard.hybrid import HybridEngine
 from verl_ppo.reward import build_reward_model
 from verl_ppo.reward.base import RewardModel
 from verl_ppo.reward.cache import CachedReward
 from verl_ppo.reward.rule import RuleReward
 from verl_ppo.roles import Actor, Critic, Reference
+from verl_ppo.run_folder import RunDirError, RunDirLock, StopRequest, prepare_run_dir
 from verl_ppo.strategy import DeepSpeedStrategy, ds_config
 from verl_ppo.tracking import build_tracking
 
@@ -281,8 +289,6 @@ class PPOTrainer:
     def _build_pipeline_roles(self) -> None:
         """Actor, reference and (GAE) critic as DeepSpeed pipeline engines: this rank builds
         and holds its stage only (:mod:`verl_ppo.pipeline`)."""
-        from verl_ppo.pipeline.build import build_pipeline_roles, pipeline_fast_path
-
         cfg = self.config
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
         roles = build_pipeline_roles(cfg, self.tokenizer, self.dtype, self.world, self.use_critic)
@@ -317,8 +323,6 @@ class PPOTrainer:
         else:
             free = torch.cuda.mem_get_info(self.device)[0]
             if self.world > 1:
-                import torch.distributed as dist
-
                 t = torch.tensor([float(free)], dtype=torch.float64, device=self.device)
                 dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
                 free = int(t.item())
@@ -353,8 +357,6 @@ class PPOTrainer:
         """Lock ``run_dir`` and apply ``train.resume``'s fresh-start policy, unless our
         launcher already did (it holds the lock for the ranks). Rank 0 decides; every rank
         raises the same error (collective). Warns when compression has no peer."""
-        from verl_ppo.run_folder import RunDirError, RunDirLock, prepare_run_dir
-
         cfg = self.config
         if self.world == 1 and cfg.compression.gradient_compression != "none" and self.rank == 0:
             self.log.warning(
@@ -383,11 +385,6 @@ class PPOTrainer:
     def _write_run_meta(self) -> None:
         """``run_dir/config.yaml`` and ``run_dir/model_config`` (what ``verl-ppo export`` and
         ``verl-ppo eval`` need besides the weights); rank 0."""
-        import yaml
-
-        from verl_ppo.data.model_store import resolve_model_path
-        from verl_ppo.export import save_model_meta
-
         run_dir = Path(self.config.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(
@@ -404,8 +401,6 @@ class PPOTrainer:
     def export_hf(self, critic: bool | None = None) -> dict[str, Path]:
         """Write the actor (and the critic: ``critic`` or ``train.export_critic``) as HF
         folders under ``run_dir/hf`` (collective; see :mod:`verl_ppo.export`)."""
-        from verl_ppo.export import export_live
-
         want_critic = self.config.train.export_critic if critic is None else critic
         return export_live(self.engines, self.rank, self.config.run_dir, critic=want_critic)
 
@@ -616,7 +611,6 @@ class PPOTrainer:
         return float(total[0] / max(total[1], 1.0))
 
     def _evaluate(self, mine: list, bs: int, total: torch.Tensor, keep: Any, model: Any) -> None:
-        from verl_ppo.report import Sample
 
         for i in range(0, len(mine), bs):
             idx = mine[i : i + bs]
@@ -684,9 +678,6 @@ class PPOTrainer:
         """
         if not self._ready and self._should_launch():
             return self._launch(num_steps)
-        from verl_ppo.report import RunSummary, format_samples
-        from verl_ppo.run_folder import StopRequest
-
         if not self._ready:
             self.setup()
         cfg = self.config
@@ -785,10 +776,6 @@ class PPOTrainer:
 
     def _launch(self, num_steps: int | None) -> list[dict[str, float]]:
         """Launch ``comm.nproc`` ranks as ``verl-ppo train`` does; their logged steps."""
-        import json
-
-        from verl_ppo.launch import launch
-
         cfg = self.config
         if num_steps is not None:
             cfg = cfg.model_copy(
