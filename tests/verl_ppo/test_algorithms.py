@@ -192,3 +192,10 @@ def test_explained_variance():
     ret = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
     assert abs(float(explained_variance(ret, ret, m)) - 1.0) < 1e-6
     assert abs(float(explained_variance(ret, torch.full_like(ret, 2.0), m))) < 1e-6
+
+
+def test_a_name_is_registered_once():
+    from verl_ppo.algorithms import register_policy_loss
+
+    with pytest.raises(ValueError, match="'vanilla' is registered already"):
+        register_policy_loss("vanilla")(lambda *a, **k: None)

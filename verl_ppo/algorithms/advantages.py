@@ -11,18 +11,11 @@ from collections.abc import Callable
 import torch
 
 from verl_ppo.algorithms.losses import masked_whiten
+from verl_ppo.algorithms.registry import registrar
 
 ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
-
-
-def register_adv_estimator(name: str):
-    """Decorator registering an advantage estimator under ``name``."""
-
-    def deco(fn):
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+register_adv_estimator = registrar(ADV_ESTIMATORS)
+"""Decorator: registers an advantage estimator under ``name``."""
 
 
 @register_adv_estimator("gae")

@@ -10,18 +10,12 @@ from collections.abc import Callable
 
 import torch
 
+from verl_ppo.algorithms.registry import registrar
+
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
-
-
-def register_kl_estimator(name: str):
-    """Decorator registering a per-token KL estimator ``fn(log_prob, ref_log_prob)`` under
+register_kl_estimator = registrar(KL_ESTIMATORS)
+"""Decorator: registers a per-token KL estimator ``fn(log_prob, ref_log_prob)`` under
     ``name`` (``algorithm.kl.estimator`` selects it)."""
-
-    def deco(fn):
-        KL_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
 
 
 @register_kl_estimator("k1")

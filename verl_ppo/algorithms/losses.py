@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from verl_ppo.algorithms.registry import registrar
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
@@ -80,20 +82,12 @@ def agg_loss(
 
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
-
-
-def register_policy_loss(name: str):
-    """Decorator registering a policy loss under ``name`` (``algorithm.policy_loss`` selects
+register_policy_loss = registrar(POLICY_LOSSES)
+"""Decorator: registers a policy loss under ``name`` (``algorithm.policy_loss`` selects
     it). A policy loss takes ``(old_log_prob, log_prob, advantages, response_mask, *,
     clip_ratio, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_tokens)`` and returns
     ``(scalar loss, detached scalar metrics)``; verl's ``core_algos.py`` registers its policy
     losses the same way."""
-
-    def deco(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
 
 
 @register_policy_loss("vanilla")

@@ -14,19 +14,12 @@ from collections.abc import Callable
 import torch
 
 from verl_ppo.algorithms.kl import kl_penalty
+from verl_ppo.algorithms.registry import registrar
 
 REWARD_SHAPERS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
-
-
-def register_reward_shaper(name: str):
-    """Decorator registering a reward shaper under ``name`` (``algorithm.reward_shaping``
+register_reward_shaper = registrar(REWARD_SHAPERS)
+"""Decorator: registers a reward shaper under ``name`` (``algorithm.reward_shaping``
     selects it). A shaper returns ``(token_level_rewards, kl)``, both ``(B, T)``."""
-
-    def deco(fn):
-        REWARD_SHAPERS[name] = fn
-        return fn
-
-    return deco
 
 
 @register_reward_shaper("last_token")
