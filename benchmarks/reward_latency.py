@@ -27,6 +27,7 @@ Usage::
 
     python benchmarks/reward_latency.py --smoke --out /tmp/rl    # tiny policy, CI, < 2 min
     python benchmarks/reward_latency.py                          # SmolLM2-135M + MiniLM
+    python benchmarks/reward_latency.py --config configs/tiny.yaml --steps 4 --new-tokens 16
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny random policy, 2 steps (CI)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output folder")
     p.add_argument("--reward", default="minilm", help="reward.model of both trainers")
+    p.add_argument(
+        "--config", default=None, help="job config (default configs/default.yaml: SmolLM2)"
+    )
     p.add_argument("--steps", type=int, default=5, help="steps per mode, warm-up included")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     p.add_argument("--batch", type=int, default=8, help="train.rollout_batch_size")
@@ -68,6 +72,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.smoke:
         a.steps, a.warmup, a.new_tokens = 2, 1, 8
+    a.config = a.config or ("configs/tiny.yaml" if a.smoke else "configs/default.yaml")
     if a.steps <= a.warmup:
         p.error("--steps must exceed --warmup")
     return a
@@ -130,7 +135,7 @@ def run(a: argparse.Namespace) -> tuple[dict[str, list[dict]], list[str]]:
     from verl_ppo.config import load_config
 
     torch.set_num_threads(a.threads)
-    config = "configs/tiny.yaml" if a.smoke else "configs/default.yaml"
+    config = a.config
     steps: dict[str, list[dict]] = {m: [] for m in MODES}
     problems: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,7 +182,8 @@ def records(a: argparse.Namespace, steps: dict[str, list[dict]], load: list) -> 
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
         "run_id": uuid.uuid4().hex[:12],
-        "policy": "tiny random Llama" if a.smoke else "SmolLM2-135M-Instruct",
+        "policy": "tiny random Llama" if "tiny" in a.config else "SmolLM2-135M-Instruct",
+        "config": a.config,
         "reward_model": a.reward,
         "rollout_batch_size": a.batch,
         "chunk": a.chunk,
