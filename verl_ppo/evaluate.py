@@ -8,9 +8,9 @@ model folder, or a Hugging Face model id in the local cache (see
 trainer's own eval does (same split seed ``seed + 1_000_003``, same chat-template
 prompts, same per-rank order and batch size, greedy decoding with the KV-cache sampler of
 :mod:`verl_ppo.rollout.generate`, the task's scorer on the decoded response). With a run
-folder the task, seed, task options, response limit, rank count and batch size default to
-the run's ``config.yaml``; the score then equals the run's ``eval/reward`` at step 0 for
-the same model weights.
+folder (or ``--config FILE``) the task, seed, task options, response limit, rank count and
+batch size default to the run's ``config.yaml`` (or that file); the score then equals the
+run's ``eval/reward`` at step 0 for the same model weights.
 """
 
 from __future__ import annotations
@@ -176,6 +176,12 @@ def eval_main(argv: list[str] | None = None) -> int:
         prog="verl-ppo eval", description="Greedy held-out score of a model on a task."
     )
     p.add_argument("--model", required=True, help="run folder, HF folder or cached HF model id")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML config whose data/rollout/seed/batch settings are "
+        "the defaults (default: the run folder's config.yaml, else the built-in defaults)",
+    )
     p.add_argument("--task", default=None, help="reasoning-gym task (default: the run's)")
     p.add_argument("--n", type=int, default=64, help="held-out prompts (first n of the split)")
     p.add_argument("--seed", type=int, default=None, help="split seed (default: the run's, 0)")
@@ -191,8 +197,18 @@ def eval_main(argv: list[str] | None = None) -> int:
     except (ModelStoreError, ExportError) as exc:
         print(f"verl-ppo eval: {exc}", file=sys.stderr)
         return 2
-    cfg = lm.run_config or PPOConfig()
-    world = a.world or (cfg.comm.nproc if lm.run_config is not None else 1)
+    if a.config is not None:
+        from verl_ppo.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(a.config)
+        except ConfigError as exc:
+            print(f"verl-ppo eval: {exc}", file=sys.stderr)
+            return 2
+    else:
+        cfg = lm.run_config or PPOConfig()
+    has_cfg = lm.run_config is not None or a.config is not None
+    world = a.world or (cfg.comm.nproc if has_cfg else 1)
     task = a.task or cfg.data.task
     kwargs = cfg.data.task_kwargs if task == cfg.data.task else {}
     batch = a.batch_size or max(cfg.train.rollout_batch_size // world, 1)

@@ -18,16 +18,14 @@ from verl_ppo.data.model_store import ensure_smollm2
 from verl_ppo.evaluate import eval_main
 
 run = sys.argv[1]
-# the default job's eval settings (24 tokens), cut to 4 prompts; grpo: no critic to build
-t = PPOTrainer("configs/default.yaml", run_dir=run, **{"comm.nproc": 1,
-    "data.eval_size": 4,
-    "algorithm.adv_estimator": "grpo", "algorithm.n_samples": 2})
+# the default job's eval (its task options, 16 tokens, batch), cut to 4 prompts, one process
+t = PPOTrainer("configs/default.yaml", run_dir=run, **{"comm.nproc": 1, "data.eval_size": 4})
 t.setup()
 step0 = t.evaluate()
 t.close()
 out = run + "/eval.jsonl"
-code = eval_main(["--model", str(ensure_smollm2()), "--task", "basic_arithmetic", "--n", "4",
-                  "--seed", "0", "--max-new-tokens", "24", "--output", out])
+code = eval_main(["--model", str(ensure_smollm2()), "--config", "configs/default.yaml",
+                  "--n", "4", "--world", "1", "--output", out])
 rows = [json.loads(x) for x in open(out)]
 print(json.dumps({"code": code, "step0": step0, "cli": sum(r["score"] for r in rows) / len(rows),
                   "n": len(rows)}))
@@ -46,7 +44,7 @@ def test_eval_equals_trainer_step0_eval(tmp_path):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["code"] == 0 and res["n"] == 4
     assert res["cli"] == res["step0"]
-    assert 0 < res["step0"] < 1  # SmolLM2 solves some of these 4 (measured: 1 of 4)
+    assert res["step0"] > 0  # SmolLM2 solves some of these one-digit sums: not a 0 == 0 match
     assert "mean reward" in r.stdout and "expected" in r.stdout  # summary line and table
 
 
