@@ -61,17 +61,23 @@ class ExportError(RuntimeError):
 def save_model_meta(
     run_dir: str | Path, hf_config: Any, tokenizer_source: str | Path, generation_config=None
 ) -> Path:
-    """Write ``run_dir/model_config``: the policy's HF config, generation config and the
-    tokenizer as loaded from ``tokenizer_source`` (the model folder, before the trainer
+    """Write ``run_dir/model_config``: the policy's HF config, its generation config (given,
+    else the model folder's ``generation_config.json``, else derived from the config) and
+    the tokenizer as loaded from ``tokenizer_source`` (the model folder, before the trainer
     changes padding side), chat template included. Returns the folder."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
+
+    if generation_config is None:
+        try:
+            generation_config = GenerationConfig.from_pretrained(tokenizer_source)
+        except OSError:
+            generation_config = GenerationConfig.from_model_config(hf_config)
 
     out = Path(run_dir) / META_DIR
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-model_config-", dir=Path(run_dir)))
     try:
         hf_config.save_pretrained(tmp)
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp)
+        generation_config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)

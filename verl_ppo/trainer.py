@@ -390,13 +390,8 @@ class PPOTrainer:
         (run_dir / "config.yaml").write_text(
             yaml.safe_dump(self.config.model_dump(mode="json", by_alias=True), sort_keys=False)
         )
-        policy = self.actor.module
-        save_model_meta(
-            run_dir,
-            policy.config,
-            resolve_model_path(self.config.model.path),
-            getattr(policy, "generation_config", None),
-        )
+        # policy_config: the HF config in both layouts (a pipeline stage has no HF module)
+        save_model_meta(run_dir, self.policy_config, resolve_model_path(self.config.model.path))
 
     def export_hf(self, critic: bool | None = None) -> dict[str, Path]:
         """Write the actor (and the critic: ``critic`` or ``train.export_critic``) as HF
