@@ -38,6 +38,12 @@ WALL_MAX_S = 600.0
 RESULT = "default_job_result.json"
 
 
+def _commit() -> str:
+    from verl_comm.bench.env import commit
+
+    return commit()
+
+
 def start_seed(config: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
     """Start the job for one seed (output to ``run_dir/job.log``); returns its handle."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -54,6 +60,7 @@ def start_seed(config: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
         "t0": time.monotonic(),
         "load_1m_start": os.getloadavg()[0],
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": _commit(),
     }
 
 
@@ -80,6 +87,7 @@ def finish_seed(h: dict) -> dict:
         "summary_line": summary[-1].split("] ", 1)[-1] if summary else None,
         "concurrent_runs": h.get("concurrent_runs", 1),
         "started": h["started"],
+        "commit": h["commit"],
     }
     (h["run_dir"] / RESULT).write_text(json.dumps(res))
     return load_seed(h["run_dir"])
@@ -157,6 +165,7 @@ def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
                 / max(sum(r["timing_s/step"] for r in steps), 1e-9),
                 "summary_line": res["summary_line"],
                 "started": res.get("started"),
+                "commit": res.get("commit", meta["commit"]),
                 "overlapping_seeds": overlapping(seed),
             }
         )
@@ -243,20 +252,20 @@ def write(recs: list[dict], out: Path, stem: str) -> None:
     lines = [
         f"# default_job: `verl-ppo train --config {m['config']}` on {len(per_seed)} seeds",
         "",
-        f"{m['device']}, torch {m['versions']['torch']}, commit {m['commit']}, {m['date']}, "
+        f"{m['device']}, torch {m['versions']['torch']}, {m['date']}, "
         f"run_id {m['run_id']}. Wall time is the whole command (model load, DeepSpeed init, "
         "evals, checkpoint); the CPU is shared with other users, so the 1-minute load "
         "average is recorded and `cpu_s` (CPU seconds of the launcher and its ranks) is "
         "the contention-free cost. `ran with seeds`: the seeds whose runs overlapped in time "
         "(each carries the others' load too).",
         "",
-        "| seed | started (UTC) | ran with seeds | eval start | eval end | gain | wall s | cpu s "
-        "| load 1m start/end | clip frac step 1 / max | actor grad norm step 1 |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|",
+        "| seed | commit | started (UTC) | ran with seeds | eval start | eval end | gain | wall s "
+        "| cpu s | load 1m start/end | clip frac step 1 / max | actor grad norm step 1 |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in per_seed:
         lines.append(
-            f"| {r['seed']} | {r['started']} | {r['overlapping_seeds'] or '-'} "
+            f"| {r['seed']} | {r['commit']} | {r['started']} | {r['overlapping_seeds'] or '-'} "
             f"| {r['eval_start']:.3f} | {r['eval_end']:.3f} | {r['value']:+.3f} "
             f"| {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['load_1m_start']:.1f} / "
             f"{r['load_1m_end']:.1f} | {r['clipfrac_step1'] or 0:.4f} / {r['clipfrac_max']:.4f} "
