@@ -7,7 +7,7 @@ Runs ``python -m verl_ppo.train --config configs/default.yaml seed=S`` once per 
   ``eval_start``, ``eval_end``, ``wall_s`` (the whole command, model load included),
   ``cpu_s`` (CPU seconds of the launcher and its ranks: what the run costs without the
   other users of a shared CPU), the 1-minute load average before and after, the first
-  step's clip fraction and actor gradient norm; per seed and eval ``metric: eval_reward``
+  step's clip fraction and ``actor/ppo_kl`` (> 0: step 1 updated the actor); per seed and eval ``metric: eval_reward``
   and per step ``metric: train_reward``; one ``metric: target`` record (all seeds gain
   >= 0.15 and more than the seeds' spread at start; every wall time under 10 minutes);
 - ``default_job.md`` (generated from the records of this run) and ``default_job.png``
@@ -160,7 +160,9 @@ def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
                 "steps": num_steps,
                 "clipfrac_step1": first.get("actor/pg_clipfrac"),
                 "clipfrac_max": max(r.get("actor/pg_clipfrac") or 0.0 for r in steps),
-                "actor_grad_norm_step1": first.get("actor/grad_norm"),
+                # > 0 only if step 1's first mini-batch update changed the actor (the second
+                # mini-batch is scored by the updated policy against the rollout's)
+                "ppo_kl_step1": first.get("actor/ppo_kl"),
                 "tokens_per_s": sum(r["perf/tokens"] for r in steps)
                 / max(sum(r["timing_s/step"] for r in steps), 1e-9),
                 "summary_line": res["summary_line"],
@@ -260,7 +262,7 @@ def write(recs: list[dict], out: Path, stem: str) -> None:
         "(each carries the others' load too).",
         "",
         "| seed | commit | started (UTC) | ran with seeds | eval start | eval end | gain | wall s "
-        "| cpu s | load 1m start/end | clip frac step 1 / max | actor grad norm step 1 |",
+        "| cpu s | load 1m start/end | clip frac step 1 / max | ppo_kl step 1 |",
         "|---:|---|---|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in per_seed:
@@ -269,7 +271,7 @@ def write(recs: list[dict], out: Path, stem: str) -> None:
             f"| {r['eval_start']:.3f} | {r['eval_end']:.3f} | {r['value']:+.3f} "
             f"| {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['load_1m_start']:.1f} / "
             f"{r['load_1m_end']:.1f} | {r['clipfrac_step1'] or 0:.4f} / {r['clipfrac_max']:.4f} "
-            f"| {r['actor_grad_norm_step1'] or 0:.3g} |"
+            f"| {r['ppo_kl_step1'] or 0:.3g} |"
         )
     lines += [
         "",
