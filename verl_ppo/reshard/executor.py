@@ -243,7 +243,13 @@ class ReshardExecutor:
         t0 = time.perf_counter()
         self._clock = clock = _Clock(device)
         self._t_start = time.perf_counter()
-        self._marks: dict[str, list] = {"pack": [], "unpack": [], "local": [], "wire": []}
+        self._marks: dict[str, list] = {
+            "pack": [],
+            "unpack": [],
+            "local": [],
+            "wire": [],
+            "wire_info": [],
+        }
         outs: dict[int, torch.Tensor] = {}
         for p, _spec in enumerate(plan.specs):
             sh = plan.rollout_shards[r][p]
@@ -376,7 +382,7 @@ class ReshardExecutor:
         done = clock.stamp()
         self._marks["wire"].append((t_issue, done))
         info = (None, k, send_n, float(rbuf.numel() * itemsize), itemsize, n)
-        self._marks.setdefault("wire_info", []).append(info)
+        self._marks["wire_info"].append(info)
         o, dsts, views = 0, [], []
         for t in recvs:
             k_ = t.numel
