@@ -90,10 +90,13 @@ def main() -> int:
             for _ in range(2):
                 m.step(x)
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22)
+        avg = prof.key_averages()
+        table = avg.table(sort_by="self_cuda_time_total", row_limit=22)
+        host = avg.table(sort_by="self_cpu_time_total", row_limit=16)  # host-bound steps
         lines += [f"=== {name}: step {statistics.median(times):.2f} ms (median of 7), "
                   f"host syncs {sum(stacks.values())}", *(f"  sync x{n}: {k}" for k, n in
-                  stacks.most_common(8)), "--- profiler, 2 steps, by self CUDA time:", table, ""]  # fmt: skip
+                  stacks.most_common(8)), "--- profiler, 2 steps, by self CUDA time:", table,
+                  "--- by self CPU time:", host, ""]  # fmt: skip
         print("\n".join(lines[-(len(stacks) + 4) :]), flush=True)
         m.close()
         del m

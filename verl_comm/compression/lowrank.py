@@ -494,7 +494,10 @@ def lowrank_int8_allreduce(
                     for i, old in kept[gi]:
                         state.residuals[gi][i].copy_(old)
                 del err
-            state.qs[gi] = q.clone()
+            if state.qs[gi] is not None and state.qs[gi].shape == q.shape:
+                state.qs[gi].copy_(q)  # in place: a captured CUDA graph reads this tensor
+            else:
+                state.qs[gi] = q.clone()
             if approx is None and g.k == 1 and (in_place or out.dtype == cdt):
                 s0 = g.slots[0]
                 torch.bmm(p, q.mT, out=out[s0.offset : s0.offset + s0.numel].view(1, g.n, g.m))

@@ -55,6 +55,7 @@ from verl_comm.compression.lowrank import (
 from verl_comm.compression.lowrank import plan_lowrank as _plan_lowrank
 from verl_comm.compression.policy import LinkModel, decide_overlap, measure_link, time_call
 
+from .graphs import run_path
 from .state import BucketState, CommHookState
 
 logger = logging.getLogger("verl_comm.hooks")
@@ -318,12 +319,15 @@ def _unwrap(fut: torch.futures.Future) -> torch.Tensor:
 
 
 def _uses_worker(state: CommHookState, dev: torch.device) -> bool:
-    """The worker serves a real process group: always on CUDA (kernel launches leave the
-    autograd thread), on CPU when there is a link (W > 1)."""
+    """The worker serves a CPU process group with a link (gloo, W > 1), where a collective
+    blocks the calling thread. On CUDA every kernel and NCCL call only enqueues work, so the
+    hook enqueues the chain on the side stream itself: a worker thread there would add a
+    GIL handoff between it and the autograd thread per launch (measured on 1 x H200:
+    ``benchmarks/gpu/hooks_profile.py``), not take work off the critical path."""
     coll = state.collective
     if not isinstance(coll, ProcessGroupCollective):
         return False
-    return dev.type == "cuda" or coll.world_size > 1
+    return dev.type != "cuda" and coll.world_size > 1
 
 
 def _side(state: CommHookState, dev: torch.device) -> Any:
@@ -440,7 +444,7 @@ def _reduce_bucket(
     if buf.numel() == 0:
         res = PathResult(0, torch.ones((), dtype=torch.bool, device=dev))
     else:
-        res = PATHS[path](state, bs, buf, coll, keep)
+        res = run_path(state, bs, path, PATHS[path], buf, coll, keep)
     if cfg.nonfinite == "skip" and buf.numel():
         zero = torch.zeros((), dtype=buf.dtype, device=dev)
         buf.copy_(torch.where(res.finite, buf, zero))

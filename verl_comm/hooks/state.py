@@ -95,6 +95,8 @@ class BucketState:
         residual: int8 path error-feedback residual ``(numel,)``.
         lowrank: low-rank residuals and Q factors. plan: the low-rank split of the bucket.
         decision: the adaptive policy's decision for this bucket, if taken.
+        graph, graph_seen, graph_captures: the bucket's CUDA graph, the inputs of its last
+            eager run, and how often it was captured (see :mod:`verl_comm.hooks.graphs`).
     """
 
     signature: tuple
@@ -104,6 +106,9 @@ class BucketState:
     plan: LowRankPlan | None = None
     decision: PolicyDecision | None = None
     wire: FactorWire | None = None
+    graph: Any = None  # hooks.graphs.BucketGraph (CUDA); never saved
+    graph_seen: tuple | None = None
+    graph_captures: int = 0
 
     def _tensors(self) -> list[torch.Tensor]:
         lr = self.lowrank
@@ -234,6 +239,8 @@ class CommHookState:
         self.timeout_s = float(timeout_s)
         self._worker: Any = None
         self._submitted_iter = 0
+        self._graphs_off = False  # a capture failed: every bucket runs eagerly
+        self._graph_pools: dict[torch.device, Any] = {}
         self._inflight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], int]] = []
         self._marks: dict[int, tuple[float, Any]] = {}
         self._prev_marks: dict[int, tuple[float, Any]] = {}
