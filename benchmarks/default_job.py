@@ -133,7 +133,12 @@ def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
 
     def overlapping(seed: int) -> list[int]:
         a0, a1 = span(results[seed])
-        return [s for s, r in results.items() if s != seed and span(r)[0] < a1 and a0 < span(r)[1]]
+        tol = 2.0  # s: "started" is truncated to the second, so back-to-back runs touch
+        return [
+            s
+            for s, r in results.items()
+            if s != seed and span(r)[0] < a1 - tol and a0 < span(r)[1] - tol
+        ]
 
     out = []
     starts, gains, walls = [], [], []
