@@ -7,7 +7,9 @@ autocast, loss ``mean(out.float()**2)``, SGD, ``bucket_cap_mb=25``.
 Methods (one model + optimizer + hook state each, all alive at once, same seed):
 
 * ``compute_only``: forward/backward/step under ``ddp.no_sync()`` (no communication);
-* ``none`` (DDP's fp32 all-reduce), ``torch_bf16`` (``bf16_compress_hook``, CUDA only),
+* ``none`` (DDP's fp32 all-reduce, in C++), ``torch_allreduce`` (the same all-reduce from
+  torch's Python ``allreduce_hook``: what any Python comm hook costs at least),
+  ``torch_bf16`` (``bf16_compress_hook``, CUDA only),
   ``torch_fp16`` (``fp16_compress_hook``), ``torch_powersgd_r<N>`` (``powerSGD_hook``:
   start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True, warm_start=True);
 * ``ours_bf16``, ``ours_int8``, ``ours_lowrank_int8_r<N>``, ``ours_auto`` (int8 low rank
@@ -107,7 +109,7 @@ def _importable_checkout() -> None:
 _importable_checkout()
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # comm_hooks_report
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
-TORCH_FIXED = ("none", "torch_bf16", "torch_fp16")
+TORCH_FIXED = ("none", "torch_allreduce", "torch_bf16", "torch_fp16")
 REDUCER = {"reducer_none": {}, "reducer_int8": {"gradient_compression": "int8"}}
 OURS_FIXED = {  # name -> CompressionConfig fields
     "ours_bf16": {"gradient_compression": "bf16"},
@@ -115,13 +117,21 @@ OURS_FIXED = {  # name -> CompressionConfig fields
     "ours_auto": {"gradient_compression": "int8", "compression_rank": 64, "policy": "auto"},
 }
 METHODS = (
-    "compute_only", "none", "torch_bf16", "torch_powersgd_r32", "torch_powersgd_r128",
+    "compute_only", "none", "torch_allreduce", "torch_bf16", "torch_powersgd_r32",
+    "torch_powersgd_r128",
     "ours_bf16", "ours_int8", "ours_lowrank_int8_r32", "ours_lowrank_int8_r64",
     "ours_lowrank_int8_r128", "ours_auto", "reducer_none", "reducer_int8",
 )  # fmt: skip
 """The default set (issue 21's run); ``torch_fp16``, ``torch_powersgd_r<N>`` and
 ``ours_lowrank_int8_r<N>`` for any N can be asked for with ``--methods``."""
-BOUNDS = {"none": 1e-6, "reducer_none": 1e-6, "bf16": 2e-2, "int8": 5e-2, "lowrank": 0.1}
+BOUNDS = {
+    "none": 1e-6,
+    "torch_allreduce": 1e-6,
+    "reducer_none": 1e-6,
+    "bf16": 2e-2,
+    "int8": 5e-2,
+    "lowrank": 0.1,
+}
 
 
 def _rank_of(name: str, prefix: str) -> int | None:
@@ -295,7 +305,9 @@ class Method:
             self.model = torch.nn.parallel.DistributedDataParallel(
                 self.module, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb
             )
-            if name == "torch_bf16":
+            if name == "torch_allreduce":
+                self.model.register_comm_hook(None, self.probe.wrap(default_hooks.allreduce_hook))
+            elif name == "torch_bf16":
                 self.model.register_comm_hook(
                     None, self.probe.wrap(default_hooks.bf16_compress_hook)
                 )
@@ -339,7 +351,7 @@ class Method:
         n = sum(p.numel() for p in params)
         if self.name == "compute_only":
             return 0, "analytic"
-        if self.name == "none":
+        if self.name in ("none", "torch_allreduce"):
             return ring(n, world, 4), "analytic"
         if self.name in ("torch_bf16", "torch_fp16"):
             return ring(n, world, 2), "analytic"

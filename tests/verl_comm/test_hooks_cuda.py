@@ -64,53 +64,9 @@ def _model(dev):
     return torch.nn.Sequential(*layers).to(dev)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("reducer", [False, True], ids=["ddp", "reducer"])
-@pytest.mark.parametrize("method", list(METHODS))
-def test_step_without_host_sync(nccl_one_rank, method, reducer):
-    from verl_comm.hooks import make_hook
-    from verl_comm.reducer import BucketedReducer
-
-    dev = nccl_one_rank
-    module = _model(dev)
-    hook, state = make_hook(_cfg(METHODS[method]))
-    red = None
-    if reducer:
-        red = BucketedReducer(module, hook, state, bucket_cap_mb=1.0)
-        model = module
-    else:
-        model = torch.nn.parallel.DistributedDataParallel(module, device_ids=[0], bucket_cap_mb=1.0)
-        model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-    x = torch.randn(64, 512, device=dev)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", torch.bfloat16):
-            out = model(x)
-        out.float().square().mean().backward()
-        if red is not None:
-            red.finalize()
-        opt.step()
-
-    for _ in range(4):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    state.flush()  # the explicit sync: resolves the last steps' statistics
-    want = "allreduce" if method in ("none", "auto") else method
-    assert {s.method for s in state.last_stats.values()} == {want}
-    assert all(s.finite for s in state.last_stats.values())
-    assert state.iteration == 6
-
-
-def _run_steps(dev, fields, steps, reducer=False, nan_at=None):
-    """Per step the reduced gradients (cloned) of a DDP (or reducer) run; and the state."""
+def _trainer(dev, fields, reducer, lr):
+    """``(step(x, before_update=None), module, state)``: SGD on :func:`_model` through DDP
+    with our hook, or through the bucketed reducer."""
     from verl_comm.hooks import make_hook
     from verl_comm.reducer import BucketedReducer
 
@@ -123,21 +79,55 @@ def _run_steps(dev, fields, steps, reducer=False, nan_at=None):
     else:
         model = torch.nn.parallel.DistributedDataParallel(module, device_ids=[0], bucket_cap_mb=1.0)
         model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-2)
-    gen = torch.Generator(device=dev).manual_seed(1)
-    grads = []
-    for k in range(steps):
-        x = torch.randn(64, 512, device=dev, generator=gen)
-        if nan_at == k:
-            x[0, 0] = float("nan")
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
+
+    def step(x, before_update=None):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", torch.bfloat16):
             out = model(x)
         out.float().square().mean().backward()
         if red is not None:
             red.finalize()
-        grads.append([p.grad.detach().clone() for p in module.parameters()])
+        if before_update is not None:
+            before_update()
         opt.step()
+
+    return step, module, state
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("reducer", [False, True], ids=["ddp", "reducer"])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_step_without_host_sync(nccl_one_rank, method, reducer):
+    dev = nccl_one_rank
+    step, _, state = _trainer(dev, METHODS[method], reducer, lr=1e-3)
+    x = torch.randn(64, 512, device=dev)
+    for _ in range(4):
+        step(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(x)
+        step(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    state.flush()  # the explicit sync: resolves the last steps' statistics
+    want = "allreduce" if method in ("none", "auto") else method
+    assert {s.method for s in state.last_stats.values()} == {want}
+    assert all(s.finite for s in state.last_stats.values())
+    assert state.iteration == 6
+
+
+def _run_steps(dev, fields, steps, reducer=False, nan_at=None):
+    """Per step the reduced gradients (cloned) of a DDP (or reducer) run; and the state."""
+    step, module, state = _trainer(dev, fields, reducer, lr=1e-2)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    grads = []
+    for k in range(steps):
+        x = torch.randn(64, 512, device=dev, generator=gen)
+        if nan_at == k:
+            x[0, 0] = float("nan")
+        step(x, lambda: grads.append([p.grad.detach().clone() for p in module.parameters()]))
     return grads, state
 
 

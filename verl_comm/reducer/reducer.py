@@ -297,6 +297,7 @@ class BucketedReducer:
         used = self._exchange_used() if self.find_unused_parameters else None
         deadline = time.monotonic() + self.timeout_s
         group_size = dist.get_world_size(self.process_group)
+        copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for b, bucket in enumerate(self.buckets):
             fut, t0, in_backward = self._futures[b]
             self._wait(fut, b, deadline)
@@ -310,7 +311,7 @@ class BucketedReducer:
                 )
             if result.data_ptr() != bucket.buffer().data_ptr():
                 bucket.buffer().copy_(result.reshape(-1))
-            self._write_back(b, used)
+            self._write_back(b, used, copies)
             if self.recorder is not None:
                 self.recorder.record(
                     CommRecord(
@@ -326,6 +327,8 @@ class BucketedReducer:
                         },
                     )
                 )
+        if copies[0]:
+            torch._foreach_copy_(*copies)  # one launch for every gradient, not one per tensor
         self.step_count += 1
         if not self._rebuilt:
             self._rebuild_from_observed()
@@ -361,7 +364,12 @@ class BucketedReducer:
         dist.all_reduce(used, group=self.process_group)
         return [v > 0 for v in used.tolist()]
 
-    def _write_back(self, b: int, used: list[bool] | None) -> None:
+    def _write_back(
+        self, b: int, used: list[bool] | None, copies: tuple[list, list] | None = None
+    ) -> None:
+        """Give bucket ``b``'s parameters their reduced gradient: a new tensor where
+        ``grad`` is None, else a copy into ``grad`` (queued in ``copies`` as
+        ``(destinations, sources)`` when given, done at once otherwise)."""
         bucket = self.buckets[b]
         for slot, pid in enumerate(self.bucket_plan[b]):
             if used is not None and not used[pid]:
@@ -371,6 +379,9 @@ class BucketedReducer:
             grad = getattr(p, self.grad_attr, None)
             if grad is None:
                 setattr(p, self.grad_attr, view.detach().to(self._dtype(p), copy=True))
+            elif copies is not None and grad.dtype == view.dtype and grad.shape == view.shape:
+                copies[0].append(grad)
+                copies[1].append(view)
             else:
                 grad.copy_(view)
 
