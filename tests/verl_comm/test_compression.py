@@ -451,3 +451,19 @@ def test_policy_decides_with_overlap_in_view():
     assert queued.compress and queued.link_free_s == pytest.approx(0.020 + queued.t_compressed_s)
     local = LinkModel(0.0, 0.0, 1)  # W = 1: nothing to gain, ever
     assert not decide_overlap(local, shadow_s=0.0, link_free_s=0.0, **kw).compress
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_flags_every_nan_and_inf(dtype):
+    from verl_comm.compression.int8_allreduce import all_finite
+
+    t = torch.randn(3 * 1024 + 5).to(dtype)
+    assert bool(all_finite(t)) and all_finite(t).dtype == torch.bool
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i in (0, 1000, t.numel() - 1):
+            u = t.clone()
+            u[i] = bad
+            assert not bool(all_finite(u)), (bad, i)
+    assert bool(all_finite(torch.zeros(0, dtype=dtype)))
+    big = torch.full((64,), torch.finfo(dtype).max, dtype=dtype)  # finite, however large
+    assert bool(all_finite(big))

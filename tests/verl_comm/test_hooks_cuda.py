@@ -156,11 +156,12 @@ def test_cuda_graph_replay_matches_eager(nccl_one_rank, method, reducer):
 
 
 @pytest.mark.timeout(300)
-def test_cuda_graph_nonfinite_still_raises(nccl_one_rank):
+@pytest.mark.parametrize("method", ["none", "bf16", "int8", "lowrank_int8"])
+def test_cuda_graph_nonfinite_still_raises(nccl_one_rank, method):
     """The finiteness flag written by a replayed graph reaches the non-finite policy."""
     from verl_comm.hooks import NonFiniteGradientError
 
     dev = nccl_one_rank
     with pytest.raises(NonFiniteGradientError):
-        _, st = _run_steps(dev, METHODS["int8"], 7, nan_at=5)
+        _, st = _run_steps(dev, METHODS[method], 7, nan_at=5)
         st.flush()

@@ -59,6 +59,19 @@ class ReduceResult:
     finite: torch.Tensor
 
 
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on ``t``'s device: no element of ``t`` is NaN or +-Inf (True if empty).
+
+    One reduction pass without temporaries: the inf-norm (max of ``|t|``) propagates NaN
+    and is Inf iff an element is. ``torch.isfinite(t).all()`` costs four elementwise passes
+    and a full-size temporary (``abs``, two compares, ``and``) before its reduction: ~2 ms
+    of a 19 ms DDP step over 403 M fp32 gradients on an H200 (``benchmarks/gpu/hooks_profile.py``).
+    """
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    return torch.isfinite(torch.linalg.vector_norm(t.reshape(-1), float("inf")))
+
+
 def int8_allreduce_wire_bytes(numel: int, world_size: int, block: int = 128) -> int:
     """Bytes one rank sends in :func:`int8_allreduce` of ``numel`` elements (padding included).
 
@@ -169,5 +182,4 @@ def cast_allreduce(
         out = torch.empty_like(flat)
     if not in_place:
         out.copy_(buf)
-    finite = torch.isfinite(buf).all() if buf.numel() else torch.ones((), dtype=torch.bool)
-    return ReduceResult(out, coll.bytes_sent - sent0, finite.to(x.device))
+    return ReduceResult(out, coll.bytes_sent - sent0, all_finite(buf).to(x.device))

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .collective import Collective
-from .int8_allreduce import int8_allreduce, int8_allreduce_wire_bytes
+from .int8_allreduce import all_finite, int8_allreduce, int8_allreduce_wire_bytes
 
 
 @dataclass(frozen=True)
@@ -207,9 +207,10 @@ def orthonormalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     4096 x 4096 gradients failed on every bucket; r = 32/64, with a 4x/2x larger shift,
     passed). In fp64 the rounding error (~1e-13 relative) is far below the shift for every
     r, and after the max-abs prescaling the Gram matrix neither overflows nor underflows
-    (fp32 inputs from 1e-45 to 3e38). Cost: two fp64 ``(r, n) x (n, r)`` products, two
-    r x r Cholesky factorisations and two triangular solves per matrix (no host sync, no
-    data-dependent branch).
+    (fp32 inputs from 1e-45 to 3e38). Cost per matrix and pass: the fp64 Gram product
+    ``(r, n) x (n, r)``, an r x r Cholesky factorisation and triangular inverse, and one
+    ``(n, r) x (r, r)`` product (no triangular solve over n: those were ~2 ms of a 31 ms
+    step at r = 128 on an H200). No host sync, no data-dependent branch.
 
     Source: CholeskyQR2, Fukaya, Nakatsukasa, Yanagisawa, Yamamoto, "CholeskyQR2: a simple
     and communication-avoiding algorithm for computing a tall-skinny QR factorization on a
@@ -240,14 +241,15 @@ def orthonormalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     scale = x.abs().amax(dim=(-2, -1), keepdim=True)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     x = x / scale
-    eye = torch.eye(r, dtype=x.dtype, device=x.device)
+    eye = torch.eye(r, dtype=x.dtype, device=x.device).expand(x.shape[0], r, r)
     for _ in range(2):
         g = x.mT @ x
         # tiny absolute floor: an all-zero matrix (trace 0) still has a definite Gram
         shift = eps * g.diagonal(dim1=-2, dim2=-1).sum(-1) / r + 1e-300
-        g = g + shift[:, None, None] * eye
-        chol, _ = torch.linalg.cholesky_ex(g)
-        x = torch.linalg.solve_triangular(chol, x.mT, upper=False).mT
+        chol, _ = torch.linalg.cholesky_ex(g + shift[:, None, None] * eye)
+        # X L^-T as a product with the r x r inverse: one GEMM over n instead of a
+        # triangular solve with n right-hand sides (~4x faster on an H200 at r = 128)
+        x = x @ torch.linalg.solve_triangular(chol, eye, upper=False).mT
     return x if p.dtype == torch.float64 else x.to(torch.float32)
 
 
@@ -315,7 +317,7 @@ def reduce_payload(
     coll.all_reduce(buf)
     if buf is not x:
         x.copy_(buf)
-    return x, coll.bytes_sent - sent0, torch.isfinite(buf).all()
+    return x, coll.bytes_sent - sent0, all_finite(buf)
 
 
 def lowrank_int8_allreduce(
