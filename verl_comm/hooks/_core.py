@@ -3,8 +3,12 @@
 Execution model (issue 14): a hook returns at once and its work proceeds off the critical
 path.
 
-* CUDA (NCCL): every step of a bucket is enqueued on the state's side stream, which first
-  waits for the current stream; nothing in a step synchronises the host. Flags and
+* CUDA (NCCL): the hook itself enqueues the bucket's chain on the state's side stream,
+  which first waits for the current stream (kernel launches and NCCL calls only enqueue,
+  so no worker thread is needed, and none would help: it would add a GIL handoff with the
+  autograd thread per launch). From the bucket's second compressed step on, the chain is
+  one CUDA graph replay (:mod:`verl_comm.hooks.graphs`), so its host cost is one launch.
+  Nothing in a step synchronises the host. Flags and
   statistics (finiteness, error norms, CUDA-event times) are copied non-blocking to pinned
   host memory at the end of the step and read when that copy has completed (checked with
   ``Event.query()`` at a later step's end, or by :meth:`CommHookState.flush`). The
@@ -346,10 +350,10 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     ``start_iter`` more steps on each bucket whose layout is not the loaded one (a fresh DDP
     rebuilds its buckets after its first step); with ``policy: auto`` each compressing bucket
     then takes the path the policy chose at its first step (measured once per bucket).
-    With a process group the chain runs on the state's worker (CUDA: enqueued on the side
-    stream after an event recorded here on the caller's stream; the CUDA-aware Future makes
-    the consumer's stream wait for it); in-process collectives run inline and return a
-    completed Future (see the module docstring).
+    On CUDA the chain is enqueued here on the side stream (as a CUDA graph once captured)
+    and the CUDA-aware Future makes the consumer's stream wait for it; with a gloo process
+    group of W > 1 it runs on the state's worker; in-process collectives run inline and
+    return a completed Future (see the module docstring).
     """
     state.apply_deferred()
     buf = bucket.buffer()
