@@ -22,7 +22,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -172,11 +174,53 @@ class ActorModelConfig(_Strict):
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
 
 
-class ActorConfig(_Strict):
+ZERO_STAGE_HELP = (
+    "DeepSpeed ZeRO stage; auto = 1 with CUDA (optimizer state partitioned over the data-"
+    "parallel ranks; on one H200 ZeRO-1 ran the default PPO step 1.29x faster than ZeRO-0, "
+    "benchmarks/results/ppo_throughput.md), 0 on the CPU"
+)
+
+
+def resolve_zero_stage(value: int | str) -> int:
+    """``auto`` -> 1 when CUDA is available (where the trainer runs its engines), else 0."""
+    if value != "auto":
+        return int(value)
+    import torch
+
+    return 1 if torch.cuda.is_available() else 0
+
+
+class _Engine(_Strict):
+    """What the actor's and the critic's DeepSpeed engines share."""
+
+    zero_stage: Literal["auto", 0, 1, 2, 3] = Field("auto", description=ZERO_STAGE_HELP)
+    _zero_stage_auto: bool = PrivateAttr(False)
+
+    @model_validator(mode="after")
+    def _resolve_zero_stage(self) -> _Engine:
+        # resolved here, so every later check and the engines see the stage that runs
+        if self.zero_stage == "auto":
+            object.__setattr__(self, "zero_stage", resolve_zero_stage("auto"))
+            self._zero_stage_auto = True
+        return self
+
+    @field_serializer("zero_stage")
+    def _dump_zero_stage(self, value: int) -> int | str:
+        # a dumped config (run_dir/config.yaml, the ranks' copy) keeps what the user wrote
+        return "auto" if self._zero_stage_auto else value
+
+    def zero_stage_reason(self) -> str:
+        """``"<stage> (auto: ...)"`` or ``"<stage> (set)"`` for the start-up report."""
+        if self._zero_stage_auto:
+            where = "CUDA" if self.zero_stage else "CPU"
+            return f"{self.zero_stage} (auto: {where})"
+        return f"{self.zero_stage} (set)"
+
+
+class ActorConfig(_Engine):
     """The policy's DeepSpeed engine."""
 
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-6))
-    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     offload_optimizer: bool = Field(
         False,
         description="DeepSpeed ZeRO optimizer offload to CPU (zero_stage 1-3, no gradient "
@@ -189,11 +233,10 @@ class ActorConfig(_Strict):
     )
 
 
-class CriticConfig(_Strict):
+class CriticConfig(_Engine):
     """The value model's DeepSpeed engine (same backbone + scalar head)."""
 
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
-    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     offload_optimizer: bool = Field(
         False,
         description="DeepSpeed ZeRO optimizer offload to CPU (zero_stage 1-3, no gradient "

@@ -17,6 +17,8 @@ as ``auto/<key>`` metrics: 1 = on, 0 = off, or the resolved number).
 - ``algorithm.old_log_prob``: ``bypass`` with one PPO epoch and one mini-batch, else
   ``forward`` (see :func:`resolve_old_log_prob`).
 - ``actor.optim.fused`` / ``critic.optim.fused``: torch's fused AdamW on CUDA.
+- ``actor.zero_stage`` / ``critic.zero_stage``: 1 on CUDA, 0 on the CPU (resolved when the
+  config is validated, :func:`verl_ppo.config.resolve_zero_stage`; reported here).
 
 An explicit ``true`` that cannot apply is refused (:class:`verl_ppo.config.ConfigError`)
 naming the field and the fix; nothing is silently ignored.
@@ -126,6 +128,9 @@ def resolve(cfg: Any, cuda: bool, policy: Any) -> FastPath:
     from verl_ppo.rollout.cuda_graph import static_decoding_unsupported
 
     fp = FastPath()
+    fp.reasons["actor.zero_stage"] = cfg.actor.zero_stage_reason()
+    if cfg.algorithm.adv_estimator == "gae":
+        fp.reasons["critic.zero_stage"] = cfg.critic.zero_stage_reason()
     hybrid = cfg.actor.model_config_.hybrid_engine.enable
     why_graph = None if cuda else "no CUDA device"
     if why_graph is None:
