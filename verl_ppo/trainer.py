@@ -14,12 +14,17 @@ The trainer holds one :class:`~verl_comm.distributed.DistContext` and passes its
 ``timeout_s`` (``comm.timeout_s``, the one source of every deadline) to everything that
 communicates: the gradient reducers, the metric and evaluation reductions, the reward
 (waiting for async scores, a remote reward's deadline) and the checkpoint barriers.
+
+This module holds the public API (construction, :meth:`PPOTrainer.setup`,
+:meth:`PPOTrainer.run`, :meth:`PPOTrainer.close`, launching the ranks from a plain process);
+the class's other parts are mixins, one idea each: :mod:`verl_ppo.trainer_build` (roles,
+engines, token budget, reward), :mod:`verl_ppo.trainer_step` (the step's phases, metric
+reduction, evaluation) and :mod:`verl_ppo.trainer_run_dir` (run folder claim and metadata,
+checkpoint save/resume, HF export).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import gc
 import json
 import os
@@ -30,65 +35,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 from tqdm import tqdm
 
 from verl_comm.profiler import VerlProfiler
 from verl_comm.telemetry import CommRecorder
-from verl_ppo.algorithms import (
-    ADV_ESTIMATORS,
-    REWARD_SHAPERS,
-    explained_variance,
-    make_kl_controller,
-    masked_mean,
-)
+from verl_ppo.algorithms import make_kl_controller
 from verl_ppo.checkpoint import CheckpointManager
 from verl_ppo.config import PPOConfig, build_config, load_config
-from verl_ppo.data.model_store import resolve_model_path
 from verl_ppo.data.tasks import Task
 from verl_ppo.distributed import ensure_process_group, environment_findings
-from verl_ppo.experience import Experience
-from verl_ppo.experience_maker import ExperienceMaker, rollout_metrics
-from verl_ppo.export import export_live, save_model_meta
-from verl_ppo.fast_path import (
-    BUDGET_FRACTION,
-    token_budget_from_free_memory,
-    training_bytes_per_token,
-)
-from verl_ppo.fast_path import resolve as resolve_fast_path
+from verl_ppo.experience_maker import ExperienceMaker
 from verl_ppo.launch import launch
-from verl_ppo.metrics import PhaseTimer, get_logger
-from verl_ppo.models import (
-    build_policy,
-    build_value_model,
-    check_uniform_dtype,
-    load_tokenizer,
-)
+from verl_ppo.metrics import get_logger
+from verl_ppo.models import load_tokenizer
 from verl_ppo.monitor import PrometheusMonitor
-from verl_ppo.perf import ModelFlops, device_peaks, phase_perf
-from verl_ppo.pipeline.build import build_pipeline_roles, pipeline_fast_path
 from verl_ppo.pipeline.checks import check_pipeline_world, pipeline_degree
-from verl_ppo.report import RunSummary, Sample, format_samples
+from verl_ppo.report import RunSummary, format_samples
 from verl_ppo.reshard.hybrid import HybridEngine
-from verl_ppo.reward import build_reward_model
-from verl_ppo.reward.base import RewardModel
-from verl_ppo.reward.cache import CachedReward
-from verl_ppo.reward.rule import RuleReward
-from verl_ppo.roles import Actor, Critic, Reference
-from verl_ppo.run_folder import RunDirError, RunDirLock, StopRequest, prepare_run_dir
-from verl_ppo.strategy import DeepSpeedStrategy, ds_config
+from verl_ppo.run_folder import StopRequest
 from verl_ppo.tracking import build_tracking
+from verl_ppo.trainer_build import TrainerBuildMixin, _resolve_dtype
+from verl_ppo.trainer_run_dir import TrainerRunDirMixin
+from verl_ppo.trainer_step import SAMPLES_SHOWN, TrainerStepMixin
 
-SAMPLES_SHOWN = 3  # held-out prompt/response/reward triples printed at start and end
-
-
-def _resolve_dtype(name: str, cuda: bool) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if cuda else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+__all__ = ["PPOTrainer", "SAMPLES_SHOWN"]
 
 
-class PPOTrainer:
+class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
     """PPO on a causal LM with DeepSpeed actor/critic engines.
 
     Args:
@@ -213,449 +186,6 @@ class PPOTrainer:
             comm_method=cfg.compression.gradient_compression,
         )
         self._ready = True
-
-    def _build_roles(self) -> None:
-        """Actor, reference and (for GAE) critic; each trained role's strategy owns its
-        DeepSpeed engine and gradient communication (collective)."""
-        cfg = self.config
-        policy = build_policy(cfg.model, self.tokenizer, self.dtype, cfg.seed).to(self.device)
-        if cfg.model.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
-        ref_model = copy.deepcopy(policy)
-        check_uniform_dtype(policy, self.dtype, "actor")
-        self.policy_config = policy.config
-        self.fast = resolve_fast_path(cfg, self.cuda, policy)
-        self.use_critic = cfg.algorithm.adv_estimator == "gae"
-        # copied before the actor engine exists: ZeRO-3 partitions the policy's parameters
-        # in place, and a copy made afterwards holds empty (numel 0) tensors
-        value_model = None
-        if self.use_critic:
-            value_model = build_value_model(policy, self.dtype).to(self.device)
-        engines_cfg = dict(
-            micro_batch_size=self.d.local_micro_batch_size,
-            grad_accum_steps=self.d.grad_accum_steps,
-            world_size=self.world,
-            bf16=self.dtype == torch.bfloat16,
-        )
-        actor_strategy = self._strategy(cfg.actor, engines_cfg)
-        actor_strategy.init(policy)
-        packing, fused = self.fast.sequence_packing, self.fast.fused_log_probs
-        budget = cfg.train.max_tokens_per_micro_batch
-        budget = None if budget == "auto" else budget  # sized below, once the engines exist
-        self.actor = Actor(
-            actor_strategy,
-            cfg.algorithm,
-            self.d.local_micro_batch_size,
-            cfg.rollout.temperature,
-            group=self.group,
-            packing=packing,
-            max_tokens_per_micro_batch=budget,
-            fused=fused,
-        )
-        self.reference = Reference(
-            ref_model,
-            self.d.local_micro_batch_size,
-            cfg.rollout.temperature,
-            packing=packing,
-            fused=fused,
-        )
-        self.engines: dict[str, DeepSpeedStrategy] = {"actor": actor_strategy}
-        self.critic: Critic | None = None
-        if value_model is not None:
-            critic_strategy = self._strategy(cfg.critic, engines_cfg)
-            critic_strategy.init(value_model)
-            self.critic = Critic(
-                critic_strategy,
-                cfg.algorithm,
-                self.d.local_micro_batch_size,
-                group=self.group,
-                packing=packing,
-                max_tokens_per_micro_batch=budget,
-            )
-            self.engines["critic"] = critic_strategy
-        self._size_token_budget(policy.config)
-        self.model_flops = ModelFlops.of(policy.config)
-        self.peaks = device_peaks(self.device)
-        if self.rank == 0:
-            for name, strategy in self.engines.items():
-                self.log.info("%s engine: %s", name, strategy.describe())
-            for line in self.fast.lines():
-                self.log.info("fast path: %s", line)
-            if self.peaks is None:
-                self.log.info(
-                    "fast path: no MFU metrics (no peak FLOP/s known for %s)", self.device
-                )
-
-    def _build_pipeline_roles(self) -> None:
-        """Actor, reference and (GAE) critic as DeepSpeed pipeline engines: this rank builds
-        and holds its stage only (:mod:`verl_ppo.pipeline`)."""
-        cfg = self.config
-        self.use_critic = cfg.algorithm.adv_estimator == "gae"
-        roles = build_pipeline_roles(cfg, self.tokenizer, self.dtype, self.world, self.use_critic)
-        self.pipeline = roles
-        self.policy_config = roles.hf_config
-        self.fast = pipeline_fast_path(cfg)
-        self.actor, self.critic, self.reference = roles.actor, roles.critic, roles.reference
-        self.engines = dict(roles.engines)
-        self.model_flops = ModelFlops.of(roles.hf_config)
-        self.peaks = device_peaks(self.device)
-        if self.rank == 0:
-            self.log.info(
-                "pipeline: %s, stage params per role %s",
-                roles.layout.describe(),
-                roles.memory_metrics(),
-            )
-
-    def _size_token_budget(self, model_config: Any) -> None:
-        """``train.max_tokens_per_micro_batch: auto``: on CUDA, from the memory free now
-        (engines built; the smallest over ranks); the no-grad forwards get 4x (they keep
-        no activations). See :mod:`verl_ppo.fast_path`."""
-        cfg, fp = self.config, self.fast
-        given = cfg.train.max_tokens_per_micro_batch
-        cap = self.d.local_mini_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
-        if given != "auto":
-            fp.max_tokens_per_micro_batch = given
-            fp.reasons["train.max_tokens_per_micro_batch"] = f"{given} (set)"
-        elif not self.cuda:
-            fp.reasons["train.max_tokens_per_micro_batch"] = (
-                f"None (auto: CPU, train.micro_batch_size={self.d.local_micro_batch_size})"
-            )
-        else:
-            free = torch.cuda.mem_get_info(self.device)[0]
-            if self.world > 1:
-                t = torch.tensor([float(free)], dtype=torch.float64, device=self.device)
-                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-                free = int(t.item())
-            bpt = training_bytes_per_token(
-                model_config, 2 if self.dtype == torch.bfloat16 else 4,
-                cfg.model.gradient_checkpointing,
-            )  # fmt: skip
-            fp.max_tokens_per_micro_batch = token_budget_from_free_memory(free, bpt, cap)
-            fp.reasons["train.max_tokens_per_micro_batch"] = (
-                f"{fp.max_tokens_per_micro_batch} (auto: {BUDGET_FRACTION} x "
-                f"{free / 2**30:.1f} GiB free / {bpt / 2**20:.2f} MiB per token, at most one "
-                f"mini-batch of {cap})"
-            )
-        if fp.max_tokens_per_micro_batch is not None:
-            fp.max_tokens_no_grad = max(4 * fp.max_tokens_per_micro_batch, cap)
-        for role in (self.actor, self.critic, self.reference):
-            if role is not None:
-                role.max_tokens = fp.max_tokens_per_micro_batch
-                role.max_tokens_no_grad = fp.max_tokens_no_grad
-
-    @property
-    def grad_comm(self) -> dict[str, Any]:
-        """Role -> active :class:`~verl_ppo.grad_comm.GradCommHandle` (empty when DeepSpeed
-        reduces the gradients itself)."""
-        return {
-            role: s.grad_comm
-            for role, s in self.engines.items()
-            if s.grad_comm is not None and s.grad_comm.active
-        }
-
-    def _claim_run_dir(self) -> None:
-        """Lock ``run_dir`` and apply ``train.resume``'s fresh-start policy, unless our
-        launcher already did (it holds the lock for the ranks). Rank 0 decides; every rank
-        raises the same error (collective). Warns when compression has no peer."""
-        cfg = self.config
-        if self.world == 1 and cfg.compression.gradient_compression != "none" and self.rank == 0:
-            self.log.warning(
-                "world size 1: gradient_compression=%s has no peer, nothing is communicated "
-                "(launch comm.nproc >= 2 ranks: verl-ppo train, or PPOTrainer(...).run() in a "
-                "plain process)",
-                cfg.compression.gradient_compression,
-            )
-        if os.environ.get("VERL_PPO_LAUNCHED"):
-            return
-        error = ""
-        if self.rank == 0:
-            try:
-                self._lock = RunDirLock(cfg.run_dir).acquire()
-                for line in prepare_run_dir(cfg.run_dir, cfg.train.resume):
-                    self.log.info("%s", line)
-            except RunDirError as exc:
-                error = str(exc)
-        if self.world > 1:
-            box = [error]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            error = box[0]
-        if error:
-            raise RunDirError(error)
-
-    def _write_run_meta(self) -> None:
-        """``run_dir/config.yaml`` and ``run_dir/model_config`` (what ``verl-ppo export`` and
-        ``verl-ppo eval`` need besides the weights); rank 0."""
-        run_dir = Path(self.config.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(
-            yaml.safe_dump(self.config.model_dump(mode="json", by_alias=True), sort_keys=False)
-        )
-        # policy_config: the HF config in both layouts (a pipeline stage has no HF module)
-        save_model_meta(run_dir, self.policy_config, resolve_model_path(self.config.model.path))
-
-    def export_hf(self, critic: bool | None = None) -> dict[str, Path]:
-        """Write the actor (and the critic: ``critic`` or ``train.export_critic``) as HF
-        folders under ``run_dir/hf`` (collective; see :mod:`verl_ppo.export`)."""
-        want_critic = self.config.train.export_critic if critic is None else critic
-        return export_live(self.engines, self.rank, self.config.run_dir, critic=want_critic)
-
-    def _strategy(self, role_cfg: Any, engines_cfg: dict[str, Any]) -> DeepSpeedStrategy:
-        """The DeepSpeed strategy of one role (``actor`` or ``critic`` config section), with
-        the job's compression, data-parallel group and deadline."""
-        return DeepSpeedStrategy(
-            ds_config(
-                zero_stage=role_cfg.zero_stage,
-                grad_clip=role_cfg.optim.grad_clip,
-                offload_optimizer=role_cfg.offload_optimizer,
-                **engines_cfg,
-            ),
-            lr=role_cfg.optim.lr,
-            weight_decay=role_cfg.optim.weight_decay,
-            betas=role_cfg.optim.betas,
-            compression=self.config.compression,
-            group=self.group,
-            timeout_s=self.ctx.timeout_s,
-            recorder=self.recorder,
-            fused=self.fast.fused_adamw,
-        )
-
-    def _build_reward(self) -> RewardModel:
-        """The reward model of ``reward.model`` (rule scorer of the task by default), wrapped in
-        the exact-key LRU cache when ``reward.cache_entries`` > 0; a remote reward's calls
-        are capped at ``comm.timeout_s``."""
-        rc = self.config.reward
-        if rc.model == "rule":
-            model: Any = RuleReward(score_fn=self.task.score)
-        else:
-            model = build_reward_model(
-                rc.model, device=str(self.device), deadline_s=self.ctx.timeout_s
-            )
-        if rc.cache_entries:
-            model = CachedReward(model, rc.cache_entries)
-        return model
-
-    # ------------------------------------------------------------------ step
-    def train_step(self, step: int) -> dict[str, float]:
-        """One PPO step (collective); returns metrics averaged over ranks."""
-        cfg = self.config
-        timer = PhaseTimer(profiler=self.profiler, sync_cuda=self.cuda)
-        exp, m = self.experience_maker.make_experience(step, timer)
-        local = exp  # this rank's rollout (perf and rollout metrics count it once)
-        if self.pipeline is not None:  # the stages of a pipeline train on the same batch
-            exp = self.pipeline.gather(exp, self.d.num_mini_batches, self.tokenizer.pad_token_id)
-            extra = self.hybrid.last_metrics.get("memory/rollout_extra_param_bytes", 0.0)
-            m.update(self.pipeline.memory_metrics(extra))
-        self._score_tokens(exp, timer)
-        with timer.phase("adv"):
-            if self.pipeline is not None:  # batch statistics over each rank's own rollout
-                m.update(self.pipeline.per_rollout(exp, self._advantages))
-            else:
-                m.update(self._advantages(exp))
-        m.update(self._update(exp, timer))
-        m.update(timer.metrics())
-        m.update(self._perf_metrics(timer.times, local))
-        m.update(rollout_metrics(local, cfg.rollout.max_new_tokens))
-        m.update(self._comm_metrics())
-        m = self._reduce_metrics(m)
-        if self.monitor is not None:
-            self.monitor.update(m, step=self.step)
-        m["perf/tokens"] *= self.world
-        m["perf/throughput_tokens_per_s"] = m["perf/tokens"] / max(m["timing_s/step"], 1e-9)
-        m["perf/throughput_tokens_per_s_per_gpu"] = m["perf/throughput_tokens_per_s"] / self.world
-        self.kl_ctrl.update(m.get("actor/kl", 0.0), cfg.train.rollout_batch_size)
-        m["actor/kl_coef"] = self.kl_ctrl.value
-        return m
-
-    def _score_tokens(self, exp: Experience, timer: PhaseTimer) -> None:
-        """Phases ``old_log_prob``, ``ref`` and (GAE) ``values``: fill ``exp``'s ``(B, R)``
-        log-probs under the rollout policy and the reference, and the critic's values."""
-        if self.fast.bypass_old_log_prob:  # see verl_ppo.fast_path.resolve_old_log_prob
-            exp.old_log_prob = exp.rollout_log_prob
-        else:
-            with timer.phase("old_log_prob"):
-                exp.old_log_prob = self.actor.compute_log_prob(exp)
-        with timer.phase("ref"):
-            exp.ref_log_prob = self.reference.compute_log_prob(exp)
-        if self.critic is not None:
-            with timer.phase("values"):
-                exp.values = self.critic.compute_values(exp)
-
-    def _advantages(self, exp: Experience) -> dict[str, float]:
-        """Token rewards (``algorithm.reward_shaping``), then advantages and returns
-        (``algorithm.adv_estimator``) into ``exp``; returns this rank's metrics."""
-        alg = self.config.algorithm
-        mask = exp.response_mask
-        shape = REWARD_SHAPERS[alg.reward_shaping]
-        exp.token_level_rewards, kl = shape(
-            exp.scores,
-            mask,
-            exp.old_log_prob,
-            exp.ref_log_prob,
-            kl_coef=self.kl_ctrl.value,
-            kl_estimator=alg.kl.estimator,
-            use_kl_in_reward=alg.kl.use_kl_in_reward,
-        )
-        exp.advantages, exp.returns = ADV_ESTIMATORS[alg.adv_estimator](
-            token_level_rewards=exp.token_level_rewards,
-            values=exp.values,
-            response_mask=mask,
-            gamma=alg.gamma,
-            lam=alg.lam,
-            group_index=exp.group_index,
-            norm_by_std=alg.norm_adv_by_std_in_grpo,
-        )
-        m = {
-            "actor/kl": float(masked_mean(kl, mask)),
-            "critic/returns_mean": float(masked_mean(exp.returns, mask)),
-            "actor/advantages_mean": float(masked_mean(exp.advantages, mask)),
-        }
-        if exp.values is not None:
-            m["critic/vf_explained_var"] = float(explained_variance(exp.returns, exp.values, mask))
-        return m
-
-    def _update(self, exp: Experience, timer: PhaseTimer) -> dict[str, float]:
-        """Phases ``update_critic`` (GAE) and ``update_actor``: the PPO epochs."""
-        cfg, m = self.config, {}
-        if self.critic is not None:
-            with timer.phase("update_critic"):
-                m.update(self.critic.update(exp, self.d.num_mini_batches, cfg.train.ppo_epochs))
-        with timer.phase("update_actor"):
-            m.update(
-                self.actor.update(
-                    exp,
-                    self.d.num_mini_batches,
-                    cfg.train.ppo_epochs,
-                    on_policy=self.fast.bypass_old_log_prob,
-                )
-            )
-        return m
-
-    def _perf_metrics(self, times: dict[str, float], exp: Experience) -> dict[str, float]:
-        """The resolved ``auto`` settings (``auto/*``), MFU per model phase
-        (``perf/mfu/<phase>``, :mod:`verl_ppo.perf`) and decode tokens/s against its floor."""
-        out = dict(self.fast.metrics())
-        out.update(
-            phase_perf(
-                self.model_flops,
-                times,
-                exp.attention_mask.sum(-1),
-                int(exp.response_mask.sum()),
-                self.fast.fused_log_probs,
-                self.config.train.ppo_epochs,
-                self.peaks,
-            )
-        )
-        B, R = exp.response_mask.shape
-        if times.get("gen"):
-            out["perf/decode_tokens_per_s"] = B * R / times["gen"]
-            if self.peaks is not None:
-                floor = self.model_flops.decode_floor_s(B, exp.prompt_len, R, self.peaks)
-                out["perf/decode_floor_tokens_per_s"] = B * R / floor
-                out["perf/decode_vs_floor"] = floor / times["gen"]
-        if self.cuda:
-            out["memory/alloc_retries"] = float(torch.cuda.memory_stats()["num_alloc_retries"])
-        return out
-
-    def _comm_metrics(self) -> dict[str, float]:
-        """``comm/<role>/<stat>`` of each active gradient-communication hook."""
-        return {
-            f"comm/{role}/{k.split('/', 1)[-1]}": float(v)
-            for role, handle in self.grad_comm.items()
-            for k, v in handle.hook_state.metrics().items()
-        }
-
-    def _reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
-        """Mean over the ranks of every metric (one float64 all-reduce); keys ending in
-        ``_max`` (per-rank peaks) are reduced by maximum instead."""
-        keys = sorted(m)
-        t = torch.tensor([m[k] for k in keys], dtype=torch.float64)
-        is_max = torch.tensor([k.endswith("_max") for k in keys])
-        if self.world > 1:
-            peak = self.ctx.all_reduce(
-                t.clone().to(self.ctx.device), op=dist.ReduceOp.MAX, group=self.group, name="peaks"
-            )
-            t = self.ctx.all_reduce(t.to(self.ctx.device), group=self.group, name="metrics")
-            t = torch.where(is_max, peak.cpu(), t.cpu() / self.world)
-        return dict(zip(keys, t.tolist()))
-
-    @torch.no_grad()
-    def evaluate(self, keep: list | None = None) -> float:
-        """Mean reward of greedy responses on the held-out split (all ranks, collective).
-
-        Args:
-            keep: when given, this rank appends :class:`verl_ppo.report.Sample` triples
-                (question, response, reward) of its first ``SAMPLES_SHOWN`` prompts to it.
-        """
-        n = len(self.task.eval)
-        mine = list(range(self.rank, n, self.world))
-        total = torch.zeros(2, dtype=torch.float64)
-        bs = max(self.d.local_rollout_batch_size, 1)
-        self.actor.module.eval()
-        with contextlib.ExitStack() as stack:
-            model = None
-            if self.pipeline is not None:  # no rank holds the policy: the TP rollout model
-                params = self.actor.strategy.hf_named_parameters()
-                model = stack.enter_context(self.hybrid.rollout(params))
-                # TP groups generate together: every rank runs the same number of batches
-                n_batches = -(-n // (self.world * bs))
-                mine += [None] * (n_batches * bs - len(mine))
-            self._evaluate(mine, bs, total, keep, model)
-        if self.world > 1:
-            total = self.ctx.all_reduce(total.to(self.ctx.device), group=self.group, name="eval")
-            total = total.cpu()
-        return float(total[0] / max(total[1], 1.0))
-
-    def _evaluate(self, mine: list, bs: int, total: torch.Tensor, keep: Any, model: Any) -> None:
-
-        for i in range(0, len(mine), bs):
-            idx = mine[i : i + bs]
-            real = [j for j in idx if j is not None]  # None: a pad to keep TP groups in step
-            texts: list[str] | None = [] if keep is not None and len(keep) < SAMPLES_SHOWN else None
-            scores = self.experience_maker.greedy_scores("eval", real or [0], texts, model)
-            if not real:
-                continue
-            total += torch.tensor([float(scores.sum()), len(real)], dtype=torch.float64)
-            if texts is not None:
-                for j, text, r in zip(real, texts, scores.tolist()):
-                    question = self.task.sample(self.tokenizer, "eval", j).question
-                    keep.append(Sample(question, text, float(r)))
-                del keep[SAMPLES_SHOWN:]
-
-    # ------------------------------------------------------------ checkpoint
-    def _trainer_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "step": self.step,
-            "kl_ctrl": self.kl_ctrl.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": list(random.getstate()[1]),
-        }
-        if self.cuda:
-            state["cuda_rng"] = torch.cuda.get_rng_state()
-        for role, handle in self.grad_comm.items():
-            if hasattr(handle, "state_dict"):
-                state[f"grad_comm/{role}"] = handle.state_dict()
-        return state
-
-    def save_checkpoint(self) -> Path:
-        """Atomic checkpoint of engines and trainer state at the current step (collective)."""
-        return self.ckpt.save(self.step, self.engines, self._trainer_state())
-
-    def _maybe_resume(self) -> None:
-        path = self.ckpt.latest()
-        if path is None:
-            return
-        state = self.ckpt.load(path, self.engines)
-        self.step = int(state["step"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        torch.set_rng_state(state["torch_rng"])
-        if self.cuda and "cuda_rng" in state:
-            torch.cuda.set_rng_state(state["cuda_rng"])
-        py = random.getstate()
-        random.setstate((py[0], tuple(state["python_rng"]), py[2]))
-        for role, handle in self.grad_comm.items():
-            if f"grad_comm/{role}" in state and hasattr(handle, "load_state_dict"):
-                handle.load_state_dict(state[f"grad_comm/{role}"])
-        self.log.info("resumed from %s at step %d", path, self.step)
 
     # ------------------------------------------------------------------- run
     def run(self, num_steps: int | None = None) -> list[dict[str, float]]:
