@@ -160,9 +160,13 @@ def markdown(recs: list[dict]) -> str:
         "did not expose (CPU runs only).",
         "",
     ]
-    for _rid, rs in sorted(
+    for rid, rs in sorted(
         runs.items(), key=lambda kv: max(r.get("date", "") for r in kv[1]), reverse=True
     ):
+        if not any("workload" in r for r in rs):  # a run that failed before timing anything
+            why = "; ".join(f"{r.get('hook')}: {r.get('status', '')}" for r in rs)
+            lines += [f"## run {rid}: no timed records ({why})", ""]
+            continue
         lines += run_table(rs)
     if legacy:
         lines += [f"{legacy} older records carry no `run_id` (issue 4's runs, where methods were "
