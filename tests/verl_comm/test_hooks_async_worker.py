@@ -1,19 +1,16 @@
 """Worker processes for the execution-model tests of the hooks (gloo, CPU); not a test module.
 
 Launched by ``test_hooks_async.py`` through ``test_hooks_ddp_worker.spawn_session`` (same
-command line); each scenario returns a dict of plain results per rank.
+command line, run by that module's ``worker_main``); each scenario returns a dict of plain
+results per rank.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
 import hashlib
 import threading
 import time
-import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -356,43 +353,8 @@ SCENARIOS = {
 }
 
 
-def _parse(spec: str):
-    name, _, rest = spec.partition(":")
-    kw = {}
-    for item in filter(None, rest.split(",")):
-        k, _, v = item.partition("=")
-        kw[k] = int(v) if v.isdigit() else (v == "True" if v in ("True", "False") else v)
-    return name, kw
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("scenarios", nargs="+")
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{a.port}",
-        rank=a.rank,
-        world_size=a.world,
-        timeout=timedelta(seconds=60),
-    )
-    results = {}
-    for spec in a.scenarios:
-        name, kw = _parse(spec)
-        try:
-            results[spec] = SCENARIOS[name](a.rank, a.world, a.out, **kw)
-        except Exception:
-            results[spec] = {"exception": traceback.format_exc()}
-    torch.save(results, Path(a.out) / f"rank{a.rank}.pt")
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    # the DDP worker's command line and session (run as a script, this folder is sys.path[0])
+    from test_hooks_ddp_worker import worker_main
+
+    worker_main(SCENARIOS)

@@ -665,7 +665,11 @@ def _parse(spec: str):
     return name, kw
 
 
-def main() -> None:
+def worker_main(scenarios: dict) -> None:
+    """One rank of a session: ``--rank/--world/--port/--out SPEC...`` (as ``spawn_session``
+    passes them); joins the gloo group, runs each ``name:key=value,...`` spec's function of
+    ``scenarios`` and saves the per-spec results (or the traceback) to ``rank{r}.pt``. Also
+    the main of ``test_hooks_async_worker.py``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
@@ -685,7 +689,7 @@ def main() -> None:
     for spec in a.scenarios:
         name, kw = _parse(spec)
         try:
-            results[spec] = SCENARIOS[name](a.rank, a.world, a.out, **kw)
+            results[spec] = scenarios[name](a.rank, a.world, a.out, **kw)
         except Exception:
             results[spec] = {"exception": traceback.format_exc()}
     torch.save(results, Path(a.out) / f"rank{a.rank}.pt")
@@ -695,4 +699,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(SCENARIOS)
