@@ -209,6 +209,26 @@ def _dtype_of(sd: dict[str, torch.Tensor]) -> torch.dtype:
     return floats.pop()
 
 
+def _cast(sd: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Floating tensors cast to ``dtype`` (None: ``sd`` unchanged)."""
+    if dtype is None:
+        return sd
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+
+
+def _save_folder(model: torch.nn.Module, meta_dir: Path, out_dir: Path) -> Path:
+    """``save_pretrained`` (safetensors) + the tokenizer/chat template of ``meta_dir``, written
+    aside and renamed into ``out_dir``; returns ``out_dir``."""
+    tmp = _atomic_dir(out_dir)
+    try:
+        _copy_meta(meta_dir, tmp)
+        model.save_pretrained(tmp, safe_serialization=True)
+        _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
 def write_causal_lm(
     state_dict: dict[str, torch.Tensor],
     meta_dir: str | Path,
@@ -230,19 +250,11 @@ def write_causal_lm(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     meta_dir, out_dir = Path(meta_dir), Path(out_dir)
-    if dtype is not None:
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    state_dict = _cast(state_dict, dtype)
     config = AutoConfig.from_pretrained(meta_dir)
     model = _meta_model(AutoModelForCausalLM, config, _dtype_of(state_dict))
     _assign(model, state_dict)
-    tmp = _atomic_dir(out_dir)
-    try:
-        _copy_meta(meta_dir, tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
-        _publish(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return _save_folder(model, meta_dir, out_dir)
 
 
 def write_value_model(
@@ -264,8 +276,7 @@ def write_value_model(
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     meta_dir, out_dir = Path(meta_dir), Path(out_dir)
-    if dtype is not None:
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    state_dict = _cast(state_dict, dtype)
     config = AutoConfig.from_pretrained(meta_dir, num_labels=1)
     try:
         model = _meta_model(AutoModelForTokenClassification, config, _dtype_of(state_dict))
@@ -285,14 +296,7 @@ def write_value_model(
         else:
             raise ExportError(f"unexpected critic tensor {k!r} (want backbone.* or value_head.*)")
     _assign(model, mapped)
-    tmp = _atomic_dir(out_dir)
-    try:
-        _copy_meta(meta_dir, tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
-        _publish(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return _save_folder(model, meta_dir, out_dir)
 
 
 def _assign(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
