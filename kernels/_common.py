@@ -107,6 +107,21 @@ def resolve_pad(n: int, block: int, pad_to: int | None) -> int:
     return pad_to
 
 
+def empty_codes_scales(
+    x: torch.Tensor, block: int, pad_to: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised outputs of a quantize of ``x``: codes int8 ``(N_pad,)`` and scales fp32
+    ``(N_pad // block,)`` on ``x``'s device, ``N_pad = resolve_pad(x.numel(), block, pad_to)``.
+
+    Raises:
+        ValueError: as :func:`resolve_pad`.
+    """
+    n_pad = resolve_pad(x.numel(), block, pad_to)
+    codes = torch.empty(n_pad, dtype=torch.int8, device=x.device)
+    scales = torch.empty(n_pad // block, dtype=torch.float32, device=x.device)
+    return codes, scales
+
+
 def check_codes_scales(
     codes: torch.Tensor, scales: torch.Tensor, block: int, *, batched: bool | None
 ) -> tuple[int, int]:

@@ -16,7 +16,13 @@ from collections.abc import Iterator
 import torch
 
 from . import reference as ref
-from ._common import TINY, check_block, check_codes_scales, check_float_input, resolve_pad
+from ._common import (
+    TINY,
+    check_block,
+    check_codes_scales,
+    check_float_input,
+    empty_codes_scales,
+)
 
 # (elements per program, warps) per kernel; 32 blocks of 128 per program reach ~4.2 TB/s
 # on an H200 (benchmarks/results/quant_kernels.md: quantize 8192/8 at 4176 GB/s).
@@ -104,10 +110,7 @@ def quantize(
             x, block, stochastic=stochastic, seed=seed, offset=offset, pad_to=pad_to
         )
     ref._check_seed(seed, offset)
-    n = x.numel()
-    n_pad = resolve_pad(n, block, pad_to)
-    codes = torch.empty(n_pad, dtype=torch.int8, device=x.device)
-    scales = torch.empty(n_pad // block, dtype=torch.float32, device=x.device)
+    codes, scales = empty_codes_scales(x, block, pad_to)
     _quantize_launch(x, None, codes, scales, block, stochastic, seed, offset, launch)
     return codes, scales
 
@@ -142,9 +145,7 @@ def quantize_ef(
     check_block(block)
     if not _use_triton(x, backend):
         return ref.quantize_ef_ref(x, residual, block, pad_to=pad_to)
-    n_pad = resolve_pad(x.numel(), block, pad_to)
-    codes = torch.empty(n_pad, dtype=torch.int8, device=x.device)
-    scales = torch.empty(n_pad // block, dtype=torch.float32, device=x.device)
+    codes, scales = empty_codes_scales(x, block, pad_to)
     _quantize_launch(x, residual, codes, scales, block, False, 0, 0, launch)
     return codes, scales
 

@@ -17,7 +17,7 @@ from ._common import (
     check_block,
     check_codes_scales,
     check_float_input,
-    resolve_pad,
+    empty_codes_scales,
 )
 
 _MASK32 = 0xFFFFFFFF
@@ -159,9 +159,8 @@ def quantize_ref(
     check_float_input("x", x)
     check_block(block)
     _check_seed(seed, offset)
-    n_pad = resolve_pad(x.numel(), block, pad_to)
-    codes = torch.empty(n_pad, dtype=torch.int8, device=x.device)
-    scales = torch.empty(n_pad // block, dtype=torch.float32, device=x.device)
+    codes, scales = empty_codes_scales(x, block, pad_to)
+    n_pad = codes.numel()
     for lo, hi in _chunks(n_pad, block):
         v = _padded_fp32(x, lo, hi).view(-1, block)
         c, scale, _ = _quantize_blocks(v, stochastic=stochastic, seed=seed, offset=offset + lo)
@@ -197,10 +196,9 @@ def quantize_ef_ref(
     check_residual(x, residual)
     check_block(block)
     n = x.numel()
-    n_pad = resolve_pad(n, block, pad_to)
+    codes, scales = empty_codes_scales(x, block, pad_to)
+    n_pad = codes.numel()
     res = residual.view(-1)
-    codes = torch.empty(n_pad, dtype=torch.int8, device=x.device)
-    scales = torch.empty(n_pad // block, dtype=torch.float32, device=x.device)
     for lo, hi in _chunks(n_pad, block):
         v = _padded_fp32(x, lo, hi)
         end = min(hi, n)
