@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
+from tests.verl_ppo._models import tiny_causal_lm
 from verl_ppo.rollout.cuda_graph import StaticCacheDecoder, decoder_for
 from verl_ppo.rollout.generate import generate
 
@@ -18,19 +18,9 @@ CUDA = torch.cuda.is_available()
 
 
 def _model(model_type: str, device: str = "cpu") -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(
-        model_type,
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        initializer_range=0.3,  # well-separated logits: kernels that differ in rounding agree
-    )
-    return AutoModelForCausalLM.from_config(cfg).to(device).eval()
+    # initializer_range 0.3: well-separated logits, kernels that differ in rounding agree
+    m = tiny_causal_lm(model_type, head_dim=8, initializer_range=0.3)
+    return m.to(device).eval()
 
 
 def _prompts(device: str = "cpu"):

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from tests.verl_ppo._models import tiny_causal_lm
 from tests.verl_ppo._run import ROOT, run_job
 from verl_ppo.export import (
     ExportError,
@@ -21,20 +22,8 @@ from verl_ppo.export import (
 
 
 def _tiny_policy(seed=0):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(
-        "llama",
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).float().eval()
+    m = tiny_causal_lm("llama", seed=seed, vocab_size=49152, tie_word_embeddings=True)
+    return m.float().eval()
 
 
 def _load(path, critic=False):

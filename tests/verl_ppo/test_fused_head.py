@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tests.verl_ppo._models import tiny_causal_lm
 from verl_ppo.algorithms.losses import entropy_from_logits
 from verl_ppo.packing import packed_log_probs
 from verl_ppo.roles.common import sequence_log_probs
@@ -62,18 +63,7 @@ def test_chunked_head_non_contiguous_hidden_and_no_entropy():
 
 
 def _model(kind: str = "qwen2", tied: bool = True, dtype=torch.float32, device="cpu"):
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(
-        kind,
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
-    return AutoModelForCausalLM.from_config(cfg).to(device, dtype)
+    return tiny_causal_lm(kind, vocab_size=97, tie_word_embeddings=tied).to(device, dtype)
 
 
 def _batch(device="cpu"):

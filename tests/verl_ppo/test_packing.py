@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
+from tests.verl_ppo._models import tiny_causal_lm
 from verl_ppo.packing import pack, packed_forward, packed_log_probs, packed_values
 from verl_ppo.roles.common import sequence_log_probs
 from verl_ppo.roles.critic import ValueModel
@@ -15,18 +15,7 @@ P, R = 5, 6
 
 
 def _model(model_type: str, attn: str = "sdpa") -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(
-        model_type,
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    cfg._attn_implementation = attn
-    return AutoModelForCausalLM.from_config(cfg).eval()
+    return tiny_causal_lm(model_type, attn=attn).eval()
 
 
 def _batch():

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
+from tests.verl_ppo._models import tiny_causal_lm
 from verl_ppo.roles.common import sequence_log_probs
 from verl_ppo.rollout.cuda_graph import StaticCacheDecoder, tp_model_of
 from verl_ppo.rollout.generate import HFGenerator
@@ -18,18 +18,9 @@ CUDA = torch.cuda.is_available()
 
 
 def _model(device="cpu", dtype=torch.float32):
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(
-        "qwen2",
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.3,  # well-separated logits: kernels that differ in rounding agree
-    )
-    return AutoModelForCausalLM.from_config(cfg).to(device, dtype).eval()
+    # initializer_range 0.3: well-separated logits, kernels that differ in rounding agree
+    m = tiny_causal_lm("qwen2", vocab_size=61, initializer_range=0.3)
+    return m.to(device, dtype).eval()
 
 
 def _prompts(device="cpu"):
