@@ -1,28 +1,15 @@
 """CI smoke run of benchmarks/article_layout.py (4 gloo ranks: PP2 x DP2 pipeline training, TP4 rollout)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._bench_smoke import check_exit, run_smoke
+from verl_comm.bench.report import read_jsonl
 
 
 @pytest.mark.timeout(1500)
 def test_article_layout_smoke(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "benchmarks/article_layout.py", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1480,
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    recs = [
-        json.loads(x) for x in (tmp_path / "article_layout.smoke.jsonl").read_text().splitlines()
-    ]
+    check_exit(run_smoke("article_layout.py", tmp_path, timeout=1480))
+    recs = read_jsonl(tmp_path / "article_layout.smoke.jsonl")
     assert {x["train_engine"] for x in recs} == {"deepspeed_pipeline"}
     assert len({x["run_id"] for x in recs}) == 1
     eng = {x["metric"]: x["value"] for x in recs if x["method"] == "engine"}

@@ -1,28 +1,15 @@
 """CI smoke run of benchmarks/checkpoint_bytes.py (tiny model, one rank)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._bench_smoke import check_exit, run_smoke
+from verl_comm.bench.report import read_jsonl
 
 
 @pytest.mark.timeout(600)
 def test_checkpoint_bytes_smoke(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "benchmarks/checkpoint_bytes.py", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    recs = [
-        json.loads(x) for x in (tmp_path / "checkpoint_bytes.smoke.jsonl").read_text().splitlines()
-    ]
+    check_exit(run_smoke("checkpoint_bytes.py", tmp_path, timeout=580))
+    recs = read_jsonl(tmp_path / "checkpoint_bytes.smoke.jsonl")
     assert len({x["run_id"] for x in recs}) == 1
     roles = {x["role"]: x for x in recs if x["metric"] == "role_bytes"}
     assert set(roles) == {"actor"}  # the default job is GRPO: no critic

@@ -1,24 +1,15 @@
 """CI run of ``benchmarks/comm_hooks.py --smoke`` (CPU, gloo, 2 ranks) into a tmp folder."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests._bench_smoke import check_exit, run_smoke
+from verl_comm.bench.report import read_jsonl
 
 
 @pytest.mark.timeout(300)
 def test_comm_hooks_smoke(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "comm_hooks.py"), "--smoke", "--out",
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=280, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    recs = [json.loads(x) for x in (tmp_path / "comm_hooks.jsonl").read_text().splitlines()]
+    check_exit(run_smoke("comm_hooks.py", tmp_path, timeout=280))
+    recs = read_jsonl(tmp_path / "comm_hooks.jsonl")
     times = {r["hook"]: r for r in recs if r["metric"] == "step_time" and r["rank"] == "max"}
     # torch's bf16_compress_hook needs CUDA: every other method is measured on CPU
     expected = {
@@ -52,12 +43,10 @@ def test_comm_hooks_smoke(tmp_path):
 def test_two_gpu_launch_dry_run_on_cpu(tmp_path):
     """Issue 21's launch (one pass per transport label, 2 ranks) on CPU/gloo: the records
     carry world_size 2, their transport label and one run_id for both passes."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "comm_hooks.py"), "--smoke",
-           "--transport", "nvlink,socket", "--methods", "none,ours_int8,ours_lowrank_int8_r32",
-           "--rounds", "2", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    recs = [json.loads(x) for x in (tmp_path / "comm_hooks.jsonl").read_text().splitlines()]
+    args = ("--transport", "nvlink,socket", "--methods", "none,ours_int8,ours_lowrank_int8_r32",
+            "--rounds", "2")  # fmt: skip
+    check_exit(run_smoke("comm_hooks.py", tmp_path, timeout=280, args=args))
+    recs = read_jsonl(tmp_path / "comm_hooks.jsonl")
     assert {r["transport"] for r in recs} == {"nvlink", "socket"}
     assert {r["world_size"] for r in recs} == {2} and len({r["run_id"] for r in recs}) == 1
     assert {r["hook"] for r in recs} == {"none", "ours_int8", "ours_lowrank_int8_r32"}

@@ -1,26 +1,16 @@
 """CI smoke run of benchmarks/default_job.py (tiny model, 2 seeds x 2 steps)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._bench_smoke import check_exit, run_smoke
+from verl_comm.bench.report import read_jsonl
 
 
 @pytest.mark.timeout(900)
 def test_default_job_smoke(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "benchmarks/default_job.py", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=880,
-    )
-    assert r.returncode in (0, 1), r.stderr[-3000:]  # 1 = target missed (a tiny random model)
-    recs = [json.loads(x) for x in (tmp_path / "default_job.smoke.jsonl").read_text().splitlines()]
+    r = run_smoke("default_job.py", tmp_path, timeout=880)
+    check_exit(r, ok=(0, 1))  # 1 = target missed (a tiny random model)
+    recs = read_jsonl(tmp_path / "default_job.smoke.jsonl")
     seeds = [x for x in recs if x["metric"] == "eval_gain"]
     assert [x["seed"] for x in seeds] == [0, 1]
     for x in seeds:

@@ -2,11 +2,13 @@
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._bench_smoke import check_exit, run_smoke
+from verl_comm.bench.report import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
@@ -19,13 +21,8 @@ _spec.loader.exec_module(bench)
 
 @pytest.mark.timeout(300)
 def test_ppo_throughput_smoke(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "ppo_throughput.py"), "--smoke", "--out",
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=280, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    recs = [json.loads(x) for x in (tmp_path / "ppo_throughput.jsonl").read_text().splitlines()]
+    check_exit(run_smoke("ppo_throughput.py", tmp_path, timeout=280))
+    recs = read_jsonl(tmp_path / "ppo_throughput.jsonl")
     ours = {(r["metric"], r.get("phase")): r for r in recs if r["system"] == "verl_ppo"}
     tps = ours[("tokens_per_s_per_gpu", None)]
     step = ours[("step_time_s", None)]

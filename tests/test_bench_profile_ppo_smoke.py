@@ -2,24 +2,18 @@
 report: the profiled PPO steps are diagnosed, the records and the table are written."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests._bench_smoke import check_exit, run_smoke
+from verl_comm.bench.report import read_jsonl
 
 
 @pytest.mark.timeout(300)
 def test_profile_ppo_smoke_two_ranks_int8(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "benchmarks" / "profile_ppo.py"), "--smoke", "--out", str(tmp_path),
-         "--set", "gradient_compression=int8"],
-        capture_output=True, text=True, timeout=280, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+    args = ("--set", "gradient_compression=int8")
+    check_exit(run_smoke("profile_ppo.py", tmp_path, timeout=280, args=args, launcher=torchrun))
     run = tmp_path / "profile" / "cpux2_int8"
     assert {"report.txt", "report.json", "report.png", "profile_rank0.json",
             "profile_rank1.json"} <= {p.name for p in run.iterdir()}  # fmt: skip
@@ -37,7 +31,7 @@ def test_profile_ppo_smoke_two_ranks_int8(tmp_path):
     # epoch and one mini-batch (the smoke shape), as the README table says
     assert {"gen", "ref", "values", "update_critic", "update_actor"} <= set(phases)
     assert "old_log_prob" not in phases
-    recs = [json.loads(x) for x in (tmp_path / "profile_ppo.jsonl").read_text().splitlines()]
+    recs = read_jsonl(tmp_path / "profile_ppo.jsonl")
     by = {r["metric"]: r for r in recs}
     for key in ("benchmark", "metric", "value", "unit", "device", "versions", "date", "commit"):
         assert key in by["timing_s/step_p50"]

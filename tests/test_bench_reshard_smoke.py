@@ -1,32 +1,15 @@
 """CI run of ``benchmarks/reshard.py --smoke`` (CPU gloo, 2 processes) into a temporary folder."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests._bench_smoke import check_exit, run_smoke
+from verl_comm.bench.report import read_jsonl
 
 
 @pytest.mark.timeout(300)
 def test_reshard_benchmark_smoke(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "reshard.py"),
-            "--smoke",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    recs = [json.loads(x) for x in (tmp_path / "reshard.jsonl").read_text().splitlines()]
+    check_exit(run_smoke("reshard.py", tmp_path, timeout=280))
+    recs = read_jsonl(tmp_path / "reshard.jsonl")
     pairs = {(r["train_layout"], r["rollout_layout"]) for r in recs}
     assert pairs == {("PP2", "TP2"), ("ZeRO3-DP2", "TP2"), ("DP2", "TP2")}
     assert {r["method"] for r in recs} == {"engine", "engine_p2p", "naive_allgather"}

@@ -1,26 +1,15 @@
 """CI run of ``benchmarks/reward_latency.py --smoke`` (the real trainer loop, tiny policy)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests._bench_smoke import check_exit, run_smoke
+from verl_comm.bench.report import read_jsonl
 
 
 @pytest.mark.timeout(400)
 def test_reward_latency_smoke(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "reward_latency.py"), "--smoke", "--out",
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=380, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    recs = [
-        json.loads(line) for line in (tmp_path / "reward_latency.jsonl").read_text().splitlines()
-    ]
+    check_exit(run_smoke("reward_latency.py", tmp_path, timeout=380))
+    recs = read_jsonl(tmp_path / "reward_latency.jsonl")
     got = {(r["mode"], r["metric"]) for r in recs}
     metrics = ("reward_exposed_s", "step_s", "gen_s", "scoring_s")
     want = {(m, k) for m in ("async", "sync") for k in metrics} | {("async/sync", "exposed_ratio")}

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._bench_smoke import check_exit, run_smoke
+from verl_comm.bench.report import read_jsonl
+
 METRICS = {
     "copy",
     "quantize",
@@ -40,24 +39,8 @@ KEYS = {
 @pytest.mark.timeout(180)
 def test_quant_kernels_smoke(tmp_path: Path) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "quant_kernels.py"),
-            "--smoke",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    records = [
-        json.loads(line) for line in (tmp_path / "quant_kernels.jsonl").read_text().splitlines()
-    ]
+    check_exit(run_smoke("quant_kernels.py", tmp_path, timeout=170, env=env))
+    records = read_jsonl(tmp_path / "quant_kernels.jsonl")
     assert {r["metric"] for r in records} == METRICS
     for r in records:
         assert KEYS <= r.keys() and r["benchmark"] == "quant_kernels" and r["unit"] == "GB/s"

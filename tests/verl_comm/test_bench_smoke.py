@@ -4,39 +4,26 @@ method, tiny sweep; plus failure propagation from a rank (no hang)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests._bench_smoke import check_exit, run_smoke
 from verl_comm.bench import report
 from verl_comm.bench.cli import main as bench_main
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(240)
 def test_smoke_writes_tables_jsonl_md_png(tmp_path):
     out = tmp_path / "res"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "allreduce_latency.py"),
-            "--smoke",
-            "--out",
-            str(out),
-            "--plot",
-            str(out / "allreduce_latency.png"),
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_smoke(
+        "allreduce_latency.py",
+        out,
         timeout=220,
-        cwd=ROOT,
+        args=("--plot", str(out / "allreduce_latency.png")),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_exit(proc)
     text = proc.stdout
     assert text.startswith("# verl-comm bench allreduce")
     assert "# versions: torch" in text and "# topology:" in text and "# parameters:" in text

@@ -2,33 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+import os
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests._bench_smoke import check_exit, run_smoke
+from verl_comm.bench.report import read_jsonl
 
 
 @pytest.mark.timeout(240)
 def test_checklist_smoke(tmp_path):
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "checklist.py"),
-            "--smoke",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=230,
-        env={"CUDA_VISIBLE_DEVICES": "", **__import__("os").environ},
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / "checklist.jsonl").read_text().splitlines()]
+    env = {"CUDA_VISIBLE_DEVICES": "", **os.environ}
+    check_exit(run_smoke("checklist.py", tmp_path, timeout=230, env=env))
+    rows = read_jsonl(tmp_path / "checklist.jsonl")
     got = {(x["item"], x["method"]) for x in rows}
     assert got == {
         ("rollout", "eager_dynamic_cache"),
