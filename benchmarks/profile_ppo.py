@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark module
@@ -122,7 +123,7 @@ def profile_run(a: argparse.Namespace) -> Path:
     overrides = pt._flatten(parse_overrides(a.set))
     comp = overrides.get("gradient_compression", overrides.get("compression.gradient_compression"))
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    kind = "cuda" if pt.torch.cuda.is_available() else "cpu"
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
     name = a.name or f"{kind}x{world_env}_{comp or 'none'}"
     run_dir = Path(a.out).resolve() / "profile" / name
     s = pt.Setup.from_args(a)
