@@ -1,13 +1,9 @@
 """`verl-ppo eval` on the packaged SmolLM2 gives the trainer's own step-0 held-out score;
 `verl-ppo generate` answers in the chat template."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.verl_ppo._run import ROOT
+from tests.verl_ppo._run import last_json, run_python
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,15 +29,8 @@ print(json.dumps({"code": code, "step0": step0, "cli": sum(r["score"] for r in r
 
 
 def test_eval_equals_trainer_step0_eval(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    r = run_python(SCRIPT, str(tmp_path))
+    res = last_json(r)
     assert res["code"] == 0 and res["n"] == 4
     assert res["cli"] == res["step0"]
     assert res["step0"] > 0  # SmolLM2 solves some of these one-digit sums: not a 0 == 0 match

@@ -1,15 +1,11 @@
 """Hugging Face export: from_pretrained gives the trained actor's logits (and critic's values)
 exactly (tiny model, CPU, fp32), from a live engine (ZeRO-0 and ZeRO-3) and from a checkpoint."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from tests.verl_ppo._models import tiny_causal_lm
-from tests.verl_ppo._run import ROOT, run_job
+from tests.verl_ppo._run import last_json, run_job, run_python
 from verl_ppo.export import (
     ExportError,
     export_checkpoint,
@@ -148,15 +144,7 @@ print(json.dumps(res))
 def test_export_of_zero3_actor_and_zero0_critic_gives_the_trained_logits(tmp_path):
     """One process (a one-rank group): the actor under ZeRO-3 (gathered bucket by bucket;
     from the checkpoint via DeepSpeed's zero_to_fp32), the critic under ZeRO-0."""
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = last_json(run_python(SCRIPT, str(tmp_path)))
     assert res == {
         "zero3": True,
         "trained_head": True,  # the critic's head left zero would make any values match
