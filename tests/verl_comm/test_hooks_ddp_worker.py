@@ -512,21 +512,29 @@ def _ckpt_cfg(method):
     )
 
 
-def scenario_ckpt_save(rank, world, tmp, method, k=3, n=6):
-    """Train k steps, save model/optimizer/hook state, continue to n (hashes recorded)."""
-    model, ddp, state, opt = _ckpt_model(rank, _ckpt_cfg(method))
+def _ckpt_train(model, ddp, opt, rank, steps) -> list[str]:
+    """One DDP step (MSE on ``batch(step, rank)``, optimizer step) per entry of ``steps``;
+    the parameter hash after each."""
     hashes = []
-    for step in range(n):
-        if step == k:
-            torch.save(
-                {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
-                Path(tmp) / f"ckpt_{method}_rank{rank}.pt",
-            )
+    for step in steps:
         x, y = batch(step, rank)
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         hashes.append(param_hash(model))
+    return hashes
+
+
+def scenario_ckpt_save(rank, world, tmp, method, k=3, n=6):
+    """Train k steps, save model/optimizer/hook state, continue to n (hashes recorded)."""
+    model, ddp, state, opt = _ckpt_model(rank, _ckpt_cfg(method))
+    hashes = _ckpt_train(model, ddp, opt, rank, range(min(k, n)))
+    if k < n:  # saved before step k
+        torch.save(
+            {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
+            Path(tmp) / f"ckpt_{method}_rank{rank}.pt",
+        )
+    hashes += _ckpt_train(model, ddp, opt, rank, range(k, n))
     del ddp, model
     return {"hashes": hashes}
 
@@ -538,13 +546,7 @@ def scenario_ckpt_load(rank, world, tmp, method, k=3, n=6):
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["opt"])
     state.load_state_dict(ck["hook"])
-    hashes = []
-    for step in range(k, n):
-        x, y = batch(step, rank)
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        hashes.append(param_hash(model))
+    hashes = _ckpt_train(model, ddp, opt, rank, range(k, n))
     del ddp, model
     return {"hashes": hashes}
 
