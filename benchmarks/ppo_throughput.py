@@ -39,6 +39,11 @@ they are not installed (the GPU machine; pyarrow + pandas would exceed the 64 Mi
 there), :func:`install_import_stand_ins` serves import-time stand-ins whose classes raise on
 use. Records say which (``trl_stand_ins``).
 
+This file is the command line; the rest lives in sibling modules, one idea each:
+``_ppo_workload.py`` (shapes, :class:`Setup`, prompts, task, tokenizer), ``_ppo_env.py``
+(rank/world, versions, device, commit), ``_ppo_verl.py`` (ours, numerics check),
+``_ppo_trl.py`` (TRL) and ``_ppo_records.py`` (records, floor, markdown report).
+
 Usage::
 
     python benchmarks/ppo_throughput.py --smoke --out /tmp/ppo     # CPU, tiny model, < 90 s
