@@ -76,9 +76,10 @@ def _quantize_blocks(
     Returns ``(codes_f, scales, ok)``: fp32 integer-valued codes ``(nblocks, block)``, fp32
     scales ``(nblocks,)`` and the mask of blocks that were quantized normally.
     """
-    a = v.abs()
-    absmax = a.amax(dim=1)
-    bad = ~(a <= torch.finfo(torch.float32).max).all(dim=1)  # NaN or Inf anywhere in the block
+    # max |v| per block; amax propagates NaN, so the block maximum is NaN or Inf exactly when
+    # some element is (a separate all(|v| <= max) reduction cost 9x the amax on the CPU)
+    absmax = v.abs().amax(dim=1)
+    bad = ~(absmax <= torch.finfo(torch.float32).max)  # NaN or Inf anywhere in the block
     ok = ~bad & (absmax >= TINY)
     safe = torch.where(ok, absmax, torch.ones_like(absmax))
     # Tensor / tensor divisions: torch turns `127 / t` into `t.reciprocal() * 127` and, on
@@ -87,15 +88,17 @@ def _quantize_blocks(
     scale = torch.where(ok, safe / qmax, torch.zeros_like(absmax))
     scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
     inv = torch.where(ok, qmax / safe, torch.zeros_like(absmax))
-    q = v * inv[:, None]
+    # the same IEEE operations as the kernels, in place on one work tensor (a CPU pass over
+    # memory is what this reference costs: it runs the CPU hooks)
+    c = v * inv[:, None]
     if stochastic:
         counters = offset + torch.arange(v.numel(), device=v.device, dtype=torch.int64)
-        u = philox_uniform_ref(seed, counters).view_as(v)
-        c = torch.floor(q + u)
+        c.add_(philox_uniform_ref(seed, counters).view_as(v)).floor_()
     else:
-        c = torch.round(q)  # round half to even
-    c = c.clamp(-QMAX, QMAX)
-    c = torch.where(ok[:, None], c, torch.zeros_like(c))
+        c.round_()  # round half to even
+    c.clamp_(-QMAX, QMAX)
+    if v.is_cuda or not bool(ok.all()):  # zero the codes of NaN/Inf and all-zero blocks
+        c = torch.where(ok[:, None], c, torch.zeros((), dtype=c.dtype, device=c.device))
     return c, scale, ok
 
 
@@ -115,10 +118,10 @@ result is the same bit for bit as one pass over everything)."""
 def _padded_fp32(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of the zero-padded flat ``x`` as a new fp32 tensor."""
     flat = x.reshape(-1)
-    v = torch.zeros(hi - lo, dtype=torch.float32, device=x.device)
-    end = min(hi, flat.numel())
-    if end > lo:
-        v[: end - lo] = flat[lo:end]
+    v = torch.empty(hi - lo, dtype=torch.float32, device=x.device)
+    end = max(min(hi, flat.numel()), lo)
+    v[: end - lo] = flat[lo:end]
+    v[end - lo :].zero_()
     return v
 
 
@@ -208,8 +211,8 @@ def quantize_ef_ref(
         c, scale, _ = _quantize_blocks(v)
         codes[lo:hi] = c.view(-1)
         scales[lo // block : hi // block] = scale
-        if end > lo:
-            res[lo:end] = (v - c * scale[:, None]).view(-1)[: end - lo]
+        if end > lo:  # residual = v - codes * scale, in place (c is no longer needed)
+            res[lo:end] = v.sub_(c.mul_(scale[:, None])).view(-1)[: end - lo]
     return codes, scales
 
 
@@ -296,11 +299,17 @@ def dequantize_ref(
             if base + lo >= numel:
                 return out
             hi = min(lo + step, m)
-            y = c2[r, lo:hi].view(-1, block).to(torch.float32)
-            y = y * s2[r, lo // block : hi // block, None]
-            if factor is not None:
-                y = y * factor
             k = min(hi - lo, numel - base - lo)
+            c, s = c2[r, lo:hi].view(-1, block), s2[r, lo // block : hi // block, None]
+            if out.dtype == torch.float32 and k == hi - lo:  # straight into out: fp32(c) * s
+                y = out[base + lo : base + hi].view(-1, block)
+                torch.mul(c, s, out=y)
+                if factor is not None:
+                    y.mul_(factor)
+                continue
+            y = c.to(torch.float32).mul_(s)
+            if factor is not None:
+                y.mul_(factor)
             out[base + lo : base + lo + k] = y.view(-1)[:k]
     return out
 
@@ -335,9 +344,8 @@ def dequant_sum_requant_ref(
     for lo, hi in _chunks(m, block):
         nb, b0 = (hi - lo) // block, lo // block
         acc = torch.zeros(nb, block, dtype=torch.float32, device=dev)
-        for w in range(w_count):
-            part = codes[w, lo:hi].reshape(nb, block).to(torch.float32)
-            acc = acc + part * scales[w, b0 : b0 + nb].reshape(nb, 1)
+        for w in range(w_count):  # fp32(code) * scale, then the running fp32 sum
+            acc.add_(codes[w, lo:hi].reshape(nb, block) * scales[w, b0 : b0 + nb].reshape(nb, 1))
         c, scale, _ = _quantize_blocks(acc)
         out_codes[lo:hi] = c.view(-1)
         out_scales[b0 : b0 + nb] = scale
