@@ -13,7 +13,7 @@ def test_comm_hooks_smoke(tmp_path):
     times = {r["hook"]: r for r in recs if r["metric"] == "step_time" and r["rank"] == "max"}
     # torch's bf16_compress_hook needs CUDA: every other method is measured on CPU
     expected = {
-        "compute_only", "none", "torch_powersgd_r32", "torch_powersgd_r128", "ours_bf16",
+        "compute_only", "none", "torch_allreduce", "torch_powersgd_r32", "torch_powersgd_r128", "ours_bf16",
         "ours_int8", "ours_lowrank_int8_r32", "ours_lowrank_int8_r64",
         "ours_lowrank_int8_r128", "ours_auto", "reducer_none", "reducer_int8",
     }  # fmt: skip
@@ -31,6 +31,7 @@ def test_comm_hooks_smoke(tmp_path):
     wire = {r["hook"]: r["value"] for r in recs if r["metric"] == "wire_bytes_per_step"}
     assert wire["compute_only"] == 0
     assert wire["ours_bf16"] * 2 == wire["none"]  # bf16 halves the fp32 ring bytes
+    assert wire["torch_allreduce"] == wire["none"]  # the same fp32 all-reduce, from Python
     assert 0 < wire["ours_int8"] < 0.3 * wire["none"]  # int8 + scales ~0.26x fp32
     assert times["reducer_none"]["rel_error"] == 0 or times["reducer_none"]["rel_error"] < 1e-6
     lowrank = [h for h in times if "lowrank" in h]

@@ -326,8 +326,9 @@ def _uses_worker(state: CommHookState, dev: torch.device) -> bool:
     """The worker serves a CPU process group with a link (gloo, W > 1), where a collective
     blocks the calling thread. On CUDA every kernel and NCCL call only enqueues work, so the
     hook enqueues the chain on the side stream itself: a worker thread there would add a
-    GIL handoff between it and the autograd thread per launch (measured on 1 x H200:
-    ``benchmarks/gpu/hooks_profile.py``), not take work off the critical path."""
+    GIL handoff between it and the autograd thread per launch, not take work off the
+    critical path (on 1 x H200 the worker and the inline path gave the same step time;
+    the host cost per bucket is measured by ``benchmarks/gpu/hook_host_cost.py``)."""
     coll = state.collective
     if not isinstance(coll, ProcessGroupCollective):
         return False
