@@ -1,0 +1,128 @@
+"""One PPO update of actor and critic on a fixed synthetic batch, in either training layout.
+
+Used by tests/verl_ppo/test_pipeline.py to compare the pipeline engine's update with the
+data-parallel one where nothing upstream of the update can differ: the batch (token ids,
+masks, advantages, returns) is drawn from one seeded generator on every rank, every rank
+trains on the rows pure DP would give it, and the advantages are O(1) random numbers, so
+the policy and value gradients are dense and large. The trainer's state (weights and
+optimizer, both roles) is saved before the probe and loaded back after it, so the PPO steps
+that follow run as if the probe had never happened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verl_ppo.experience import Experience
+
+PROBE_EPOCHS = 2  # 2 epochs x 2 mini-batches: 4 optimizer steps per role
+
+
+def synthetic_batch(n: int, vocab: int, pad_id: int, p: int = 5, r: int = 6) -> dict:
+    """``n`` rows of prompt (left-padded), response (right-padded), advantages, returns and
+    a perturbation of the old log-probs; the same on every rank (fixed seed)."""
+    g = torch.Generator().manual_seed(1234)
+    prompt = torch.randint(3, vocab, (n, p), generator=g)
+    resp = torch.randint(3, vocab, (n, r), generator=g)
+    pmask = torch.ones(n, p, dtype=torch.long)
+    rmask = torch.ones(n, r)
+    for i in range(n):
+        pmask[i, : i % 3] = 0
+        prompt[i, : i % 3] = pad_id
+        rmask[i, r - i % 4 :] = 0
+        resp[i, r - i % 4 :] = pad_id
+    return {
+        "prompt": prompt,
+        "pmask": pmask,
+        "resp": resp,
+        "rmask": rmask,
+        "adv": torch.randn(n, r, generator=g) * rmask,
+        "ret": 0.5 * torch.randn(n, r, generator=g) * rmask,
+        "old_noise": 0.1 * torch.randn(n, r, generator=g) * rmask,
+    }
+
+
+def layout_rows(rank: int, per_rank: int, num_mini: int, pipe_ranks: list[int] | None) -> list:
+    """Rows of the synthetic batch this rank trains on: its own ``per_rank`` rows under DP;
+    under PP its pipeline's members' rows, mini-batch by mini-batch, as
+    :func:`verl_ppo.pipeline.data.gather_pipeline_experience` orders them."""
+    members = [rank] if pipe_ranks is None else pipe_ranks
+    chunk = per_rank // num_mini
+    return [
+        m * per_rank + k * chunk + j for k in range(num_mini) for m in members for j in range(chunk)
+    ]
+
+
+def _experience(b: dict, rows: list[int]) -> Experience:
+    idx = torch.tensor(rows)
+    resp, rmask = b["resp"][idx], b["rmask"][idx]
+    return Experience(
+        input_ids=torch.cat([b["prompt"][idx], resp], 1),
+        attention_mask=torch.cat([b["pmask"][idx], rmask.long()], 1),
+        prompt_len=b["prompt"].shape[1],
+        responses=resp,
+        response_mask=rmask,
+        group_index=idx.clone(),
+        entries=[{} for _ in rows],
+    )
+
+
+def _first_step_grads(strategy: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """The clipped gradients the optimizer's first step sees, by HF name (ZeRO-0 only: the
+    engine's optimizer is then the torch AdamW over the parameters themselves)."""
+    grads: dict[str, torch.Tensor] = {}
+    opt = strategy.engine.optimizer
+    if not isinstance(opt, torch.optim.Optimizer):  # ZeRO-1: flat partitions
+        return grads, None
+    names = {id(p): n for n, p in strategy.hf_named_parameters().items()}
+
+    def hook(optimizer, args, kwargs):
+        if grads:
+            return
+        for group in optimizer.param_groups:
+            for prm in group["params"]:
+                if prm.grad is not None and id(prm) in names:
+                    grads[names[id(prm)]] = prm.grad.detach().clone()
+
+    return grads, opt.register_step_pre_hook(hook)
+
+
+def probe_update(trainer: Any, rank: int, world: int, ckpt_dir: str) -> dict:
+    """Run :data:`PROBE_EPOCHS` PPO epochs of actor and critic on the synthetic batch.
+
+    Returns this rank's actor and critic weights after the update and the actor's first-step
+    gradients (by HF name), and the metrics of both updates; the trainer's state is restored.
+    """
+    actor, critic = trainer.actor, trainer.critic
+    pipe = trainer.pipeline is not None
+    d = trainer.d
+    per_rank = trainer.config.train.rollout_batch_size // world
+    b = synthetic_batch(
+        per_rank * world, trainer.policy_config.vocab_size, trainer.tokenizer.pad_token_id
+    )
+    rows = layout_rows(
+        rank, per_rank, d.num_mini_batches, actor.strategy.pipe_ranks if pipe else None
+    )
+    exp = _experience(b, rows)
+    idx = torch.tensor(rows)
+    for role in ("actor", "critic"):
+        getattr(trainer, role).strategy.save(ckpt_dir, f"probe_{role}")
+    exp.old_log_prob = actor.compute_log_prob(exp) + b["old_noise"][idx]
+    exp.values = critic.compute_values(exp)
+    exp.advantages, exp.returns = b["adv"][idx], b["ret"][idx]
+    grads, handle = _first_step_grads(actor.strategy)
+    m = actor.update(exp, d.num_mini_batches, PROBE_EPOCHS)
+    if handle is not None:
+        handle.remove()
+    m.update(critic.update(exp, d.num_mini_batches, PROBE_EPOCHS))
+    out = {
+        "metrics": m,
+        "grads": grads,
+        "actor": {n: p.detach().clone() for n, p in actor.strategy.hf_named_parameters().items()},
+        "critic": {n: p.detach().clone() for n, p in critic.strategy.hf_named_parameters().items()},
+    }
+    for role in ("actor", "critic"):
+        getattr(trainer, role).strategy.load(ckpt_dir, f"probe_{role}")
+    return out
