@@ -69,31 +69,49 @@ def _experience(b: dict, rows: list[int]) -> Experience:
     )
 
 
-def _first_step_grads(strategy: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """The clipped gradients the optimizer's first step sees, by HF name (ZeRO-0 only: the
-    engine's optimizer is then the torch AdamW over the parameters themselves)."""
-    grads: dict[str, torch.Tensor] = {}
-    opt = strategy.engine.optimizer
+def _first_step_grads(strategy: Any) -> tuple[dict, dict, Any]:
+    """The gradients of the optimizer's first step by HF name, before and after DeepSpeed's
+    gradient clipping, and a function that removes the hooks.
+
+    ZeRO-0 only (the engine's optimizer is then the torch AdamW over the parameters
+    themselves; at ZeRO-1 it steps flat partitions): both dicts stay empty otherwise. The
+    unclipped gradients show a wrong loss scale, the clipped ones a wrong global norm.
+    """
+    raw: dict[str, torch.Tensor] = {}
+    clipped: dict[str, torch.Tensor] = {}
+    engine = strategy.engine
+    opt = engine.optimizer
     if not isinstance(opt, torch.optim.Optimizer):  # ZeRO-1: flat partitions
-        return grads, None
-    names = {id(p): n for n, p in strategy.hf_named_parameters().items()}
+        return raw, clipped, lambda: None
 
-    def hook(optimizer, args, kwargs):
-        if grads:
-            return
-        for group in optimizer.param_groups:
-            for prm in group["params"]:
-                if prm.grad is not None and id(prm) in names:
-                    grads[names[id(prm)]] = prm.grad.detach().clone()
+    def snap(into: dict) -> None:
+        if not into:
+            for n, p in strategy.hf_named_parameters().items():
+                if p.grad is not None:
+                    into[n] = p.grad.detach().clone()
 
-    return grads, opt.register_step_pre_hook(hook)
+    clip = engine.clip_fp32_gradients  # DeepSpeedEngine._take_model_step calls it first
+
+    def clip_and_snap() -> None:
+        snap(raw)
+        clip()
+
+    engine.clip_fp32_gradients = clip_and_snap
+    handle = opt.register_step_pre_hook(lambda o, a, k: snap(clipped))
+
+    def remove() -> None:
+        handle.remove()
+        del engine.clip_fp32_gradients
+
+    return raw, clipped, remove
 
 
 def probe_update(trainer: Any, rank: int, world: int, ckpt_dir: str) -> dict:
     """Run :data:`PROBE_EPOCHS` PPO epochs of actor and critic on the synthetic batch.
 
-    Returns this rank's actor and critic weights after the update and the actor's first-step
-    gradients (by HF name), and the metrics of both updates; the trainer's state is restored.
+    Returns this rank's actor and critic weights after the update, the actor's first-step
+    gradients before and after clipping (by HF name; ZeRO-0), and the metrics of both
+    updates; the trainer's state is restored.
     """
     actor, critic = trainer.actor, trainer.critic
     pipe = trainer.pipeline is not None
@@ -112,14 +130,14 @@ def probe_update(trainer: Any, rank: int, world: int, ckpt_dir: str) -> dict:
     exp.old_log_prob = actor.compute_log_prob(exp) + b["old_noise"][idx]
     exp.values = critic.compute_values(exp)
     exp.advantages, exp.returns = b["adv"][idx], b["ret"][idx]
-    grads, handle = _first_step_grads(actor.strategy)
+    raw, grads, remove = _first_step_grads(actor.strategy)
     m = actor.update(exp, d.num_mini_batches, PROBE_EPOCHS)
-    if handle is not None:
-        handle.remove()
+    remove()
     m.update(critic.update(exp, d.num_mini_batches, PROBE_EPOCHS))
     out = {
         "metrics": m,
         "grads": grads,
+        "raw_grads": raw,
         "actor": {n: p.detach().clone() for n, p in actor.strategy.hf_named_parameters().items()},
         "critic": {n: p.detach().clone() for n, p in critic.strategy.hf_named_parameters().items()},
     }

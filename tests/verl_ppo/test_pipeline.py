@@ -5,10 +5,10 @@ Two comparisons, each from the same seed and the same initial weights:
 1. The probe (tests/verl_ppo/_pipeline_probe.py): one PPO update of actor and critic
    (2 epochs x 2 mini-batches) on a fixed synthetic batch with O(1) random advantages and
    returns. Every weight after it (Qwen2's attention key bias: 1e-4, see _probe_bound),
-   the actor's clipped gradients of the first step (ZeRO-0), the gradient norm (ZeRO-1)
-   and the logged losses must agree within 1e-5 relative: this is where the pipeline must
-   compute what DP computes (measured: weights <= 7e-7, ZeRO-0 gradients 2e-7, grad norm
-   2e-7).
+   the actor's first-step gradients before and after clipping (ZeRO-0), the gradient norm
+   (ZeRO-1) and the logged losses must agree within 1e-5 relative: this is where the
+   pipeline must compute what DP computes (measured: weights <= 7e-7, ZeRO-0 gradients
+   2e-7, grad norm 2e-7).
 2. Five PPO steps of the real loop (same data and rollout: TP1 rollout model in both runs,
    so responses are identical): per-step losses within 1e-5, final weights within 5e-4.
    Final weights cannot agree to 1e-5 in fp32 here, in any two layouts: the task reward of
@@ -144,10 +144,14 @@ def worker_equal(rank, world, kind, zero, tmp):
     # the probe: this rank's stage against the same tensors of DP (same rank, same rows)
     out["probe"] = {
         role: {k: rel(pp_probe[role], dp_probe[role], keys=[k]) for k in pp_probe[role]}
-        for role in ("actor", "critic", "grads")
+        for role in ("actor", "critic", "grads", "raw_grads")
         if pp_probe[role]
     }
-    out["probe_n_grads"] = (len(pp_probe["grads"]), len(pp.actor.strategy.hf_named_parameters()))
+    out["probe_n_grads"] = (
+        len(pp_probe["grads"]),
+        len(pp_probe["raw_grads"]),
+        len(pp.actor.strategy.hf_named_parameters()),
+    )
     if pp_actor is not None:
         out["actor_keys_equal"] = set(pp_actor) == set(dp_actor)
         out["actor_rel"] = rel(pp_actor, dp_actor)
@@ -247,8 +251,8 @@ def test_pp2_dp2_equals_dp4(kind, zero, tmp_path):
         for role, per_tensor in r["probe"].items():
             for name, x in per_tensor.items():
                 assert x < _probe_bound(name), (kind, "probe", role, name, x)
-        n_grads, n_params = r["probe_n_grads"]
-        assert n_grads == (n_params if zero == 0 else 0), r["probe_n_grads"]
+        n_clipped, n_raw, n_params = r["probe_n_grads"]
+        assert n_clipped == n_raw == (n_params if zero == 0 else 0), r["probe_n_grads"]
         for i, step in enumerate(r["steps"]):
             for k, (a, b) in step.items():
                 if a is None and b is None:
