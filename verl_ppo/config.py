@@ -177,7 +177,7 @@ class ActorModelConfig(_Strict):
 ZERO_STAGE_HELP = (
     "DeepSpeed ZeRO stage; auto = 1 with CUDA (optimizer state partitioned over the data-"
     "parallel ranks; on one H200 ZeRO-1 ran the default PPO step 1.29x faster than ZeRO-0, "
-    "benchmarks/results/ppo_throughput.md), 0 on the CPU"
+    "benchmarks/results/ppo_throughput_zero_stage.md), 0 on the CPU"
 )
 
 

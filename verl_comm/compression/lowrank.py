@@ -209,8 +209,10 @@ def orthonormalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     r, and after the max-abs prescaling the Gram matrix neither overflows nor underflows
     (fp32 inputs from 1e-45 to 3e38). Cost per matrix and pass: the fp64 Gram product
     ``(r, n) x (n, r)``, an r x r Cholesky factorisation and triangular inverse, and one
-    ``(n, r) x (r, r)`` product (no triangular solve over n: those were ~2 ms of a 31 ms
-    step at r = 128 on an H200). No host sync, no data-dependent branch.
+    ``(n, r) x (r, r)`` product instead of a triangular solve over n (the solves were ~2 ms
+    of a 31 ms step at r = 128 on an H200; the step time did not change measurably with
+    the products, ``benchmarks/results/comm_hooks.md``). No host sync, no data-dependent
+    branch.
 
     Source: CholeskyQR2, Fukaya, Nakatsukasa, Yanagisawa, Yamamoto, "CholeskyQR2: a simple
     and communication-avoiding algorithm for computing a tall-skinny QR factorization on a
@@ -248,7 +250,7 @@ def orthonormalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         shift = eps * g.diagonal(dim1=-2, dim2=-1).sum(-1) / r + 1e-300
         chol, _ = torch.linalg.cholesky_ex(g + shift[:, None, None] * eye)
         # X L^-T as a product with the r x r inverse: one GEMM over n instead of a
-        # triangular solve with n right-hand sides (~4x faster on an H200 at r = 128)
+        # triangular solve with n right-hand sides
         x = x @ torch.linalg.solve_triangular(chol, eye, upper=False).mT
     return x if p.dtype == torch.float64 else x.to(torch.float32)
 
