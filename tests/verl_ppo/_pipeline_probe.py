@@ -22,7 +22,8 @@ PROBE_EPOCHS = 2  # 2 epochs x 2 mini-batches: 4 optimizer steps per role
 
 def synthetic_batch(n: int, vocab: int, pad_id: int, p: int = 5, r: int = 6) -> dict:
     """``n`` rows of prompt (left-padded), response (right-padded), advantages, returns and
-    a perturbation of the old log-probs; the same on every rank (fixed seed)."""
+    perturbations of the old and the reference log-probs; the same on every rank (fixed
+    seed)."""
     g = torch.Generator().manual_seed(1234)
     prompt = torch.randint(3, vocab, (n, p), generator=g)
     resp = torch.randint(3, vocab, (n, r), generator=g)
@@ -41,6 +42,7 @@ def synthetic_batch(n: int, vocab: int, pad_id: int, p: int = 5, r: int = 6) -> 
         "adv": torch.randn(n, r, generator=g) * rmask,
         "ret": 0.5 * torch.randn(n, r, generator=g) * rmask,
         "old_noise": 0.1 * torch.randn(n, r, generator=g) * rmask,
+        "ref_noise": 0.1 * torch.randn(n, r, generator=g) * rmask,
     }
 
 
@@ -128,6 +130,8 @@ def probe_update(trainer: Any, rank: int, world: int, ckpt_dir: str) -> dict:
     for role in ("actor", "critic"):
         getattr(trainer, role).strategy.save(ckpt_dir, f"probe_{role}")
     exp.old_log_prob = actor.compute_log_prob(exp) + b["old_noise"][idx]
+    # the reference moved off the policy too, so a KL loss term has a gradient from step 1
+    exp.ref_log_prob = trainer.reference.compute_log_prob(exp) + b["ref_noise"][idx]
     exp.values = critic.compute_values(exp)
     exp.advantages, exp.returns = b["adv"][idx], b["ret"][idx]
     raw, grads, remove = _first_step_grads(actor.strategy)
