@@ -304,6 +304,12 @@ class TrainConfig(_Strict):
     fused_log_probs: bool | Literal["auto"] = Field(
         "auto", description="chunked LM head + log-softmax + entropy (no fp32 vocab logits)"
     )
+    torch_compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="regional torch.compile of each decoder layer of the actor, reference "
+        "and critic for the training and scoring forwards (verl_ppo/compiled.py); auto = on "
+        "with CUDA",
+    )
 
     @field_validator("max_tokens_per_micro_batch")
     @classmethod

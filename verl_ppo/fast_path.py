@@ -16,6 +16,8 @@ as ``auto/<key>`` metrics: 1 = on, 0 = off, or the resolved number).
   wherever the head allows it (no bias or logit scaling; not ZeRO-3 partitioned).
 - ``algorithm.old_log_prob``: ``bypass`` with one PPO epoch and one mini-batch, else
   ``forward`` (see :func:`resolve_old_log_prob`).
+- ``train.torch_compile``: regional ``torch.compile`` of the decoder layers of the actor,
+  reference and critic (:mod:`verl_ppo.compiled`) on CUDA; off on the CPU.
 - ``actor.optim.fused`` / ``critic.optim.fused``: torch's fused AdamW on CUDA.
 - ``actor.zero_stage`` / ``critic.zero_stage``: 1 on CUDA, 0 on the CPU (resolved when the
   config is validated, :func:`verl_ppo.config.resolve_zero_stage`; reported here).
@@ -37,8 +39,8 @@ class FastPath:
     """The resolved settings of one run.
 
     Attributes:
-        use_cuda_graph, sequence_packing, fused_log_probs, bypass_old_log_prob, fused_adamw:
-            the resolved switches.
+        use_cuda_graph, sequence_packing, fused_log_probs, bypass_old_log_prob, fused_adamw,
+        torch_compile: the resolved switches.
         max_tokens_per_micro_batch: the training token budget (None = fixed micro-batches).
         max_tokens_no_grad: the budget of the no-grad forwards (ref, values, old_log_prob).
         reasons: ``{config key: "value (why)"}`` for the log.
@@ -49,6 +51,7 @@ class FastPath:
     fused_log_probs: bool = False
     bypass_old_log_prob: bool = False
     fused_adamw: bool = False
+    torch_compile: bool = False
     max_tokens_per_micro_batch: int | None = None
     max_tokens_no_grad: int | None = None
     reasons: dict[str, str] = field(default_factory=dict)
@@ -61,6 +64,7 @@ class FastPath:
             "auto/train.fused_log_probs": float(self.fused_log_probs),
             "auto/algorithm.old_log_prob_bypass": float(self.bypass_old_log_prob),
             "auto/optim.fused_adamw": float(self.fused_adamw),
+            "auto/train.torch_compile": float(self.torch_compile),
             "auto/train.max_tokens_per_micro_batch": float(self.max_tokens_per_micro_batch or 0),
         }
 
@@ -124,6 +128,7 @@ def resolve(cfg: Any, cuda: bool, policy: Any) -> FastPath:
     Raises:
         ConfigError: an explicit setting that cannot apply (message names field and fix).
     """
+    from verl_ppo.compiled import decoder_layers, torch_compile_unsupported
     from verl_ppo.roles.fused_head import fused_head_unsupported
     from verl_ppo.rollout.cuda_graph import static_decoding_unsupported
 
@@ -165,6 +170,16 @@ def resolve(cfg: Any, cuda: bool, policy: Any) -> FastPath:
         cfg.train.fused_log_probs, why_head, "train.fused_log_probs", "set it to auto or false"
     )
     fp.bypass_old_log_prob, fp.reasons["algorithm.old_log_prob"] = resolve_old_log_prob(cfg)
+    fp.torch_compile, fp.reasons["train.torch_compile"] = _switch(
+        cfg.train.torch_compile,
+        torch_compile_unsupported(cuda, policy),
+        "train.torch_compile",
+        "set it to auto or false",
+    )
+    if fp.torch_compile:
+        fp.reasons["train.torch_compile"] += (
+            f"; {len(decoder_layers(policy))} decoder layers, compiled at their first forward"
+        )
     fused = {cfg.actor.optim.fused, cfg.critic.optim.fused}
     why_adam = None if cuda else "no CUDA device (foreach AdamW)"
     res = [_switch(v, why_adam, "optim.fused", "set it to auto or false") for v in fused]

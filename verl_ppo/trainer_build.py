@@ -63,6 +63,12 @@ class TrainerBuildMixin:
         value_model = None
         if self.use_critic:
             value_model = build_value_model(policy, self.dtype).to(self.device)
+        if self.fast.torch_compile:  # after every copy: the compiled wrappers are not copied
+            from verl_ppo.compiled import compile_decoder_layers
+
+            for m in (policy, ref_model, value_model):
+                if m is not None:
+                    compile_decoder_layers(m)
         engines_cfg = dict(
             micro_batch_size=self.d.local_micro_batch_size,
             grad_accum_steps=self.d.grad_accum_steps,

@@ -83,7 +83,7 @@ class PipelineRoles:
 
 def pipeline_fast_path(cfg: Any) -> Any:
     """The :class:`~verl_ppo.fast_path.FastPath` of a pipeline run: CUDA graphs, sequence
-    packing, the fused LM head and token-budget micro-batches are off (explicit ``true`` is
+    packing, the fused LM head, token-budget micro-batches and torch.compile are off (explicit ``true`` is
     refused by :mod:`verl_ppo.pipeline.checks`); the ``old_log_prob`` bypass resolves as
     usual (the rollout model's log-probs)."""
     from verl_ppo.fast_path import FastPath, resolve_old_log_prob
@@ -95,6 +95,7 @@ def pipeline_fast_path(cfg: Any) -> Any:
         "train.sequence_packing",
         "train.fused_log_probs",
         "train.max_tokens_per_micro_batch",
+        "train.torch_compile",
     ):
         fp.reasons[key] = why
     fp.bypass_old_log_prob, fp.reasons["algorithm.old_log_prob"] = resolve_old_log_prob(cfg)

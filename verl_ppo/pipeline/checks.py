@@ -82,6 +82,11 @@ def check_pipeline_config(cfg: Any) -> None:
             f"train.fused_log_probs=true with {key}={pp}: the log-probs are the pipeline's "
             "loss function on the last stage's logits; set fused_log_probs: auto or false"
         )
+    if cfg.train.torch_compile is True:
+        problems.append(
+            f"train.torch_compile=true with {key}={pp}: the pipeline stages run DeepSpeed's "
+            "PipelineModule layers, which are not compiled; set torch_compile: auto or false"
+        )
     tiny = cfg.model.tiny
     if tiny is not None and tiny.get("model_type", "llama") not in LLAMA_FAMILY:
         problems.append(

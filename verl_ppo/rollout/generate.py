@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from verl_ppo.compat import CACHE_KWARG
+from verl_ppo.compiled import eager_layers
 from verl_ppo.rollout.sampler import SamplingParams, filter_logits, sample_next
 
 __all__ = [
@@ -215,18 +216,19 @@ class HFGenerator:
             return out.logits[:, -1, :]
 
         try:
-            return decode_loop(
-                prefill,
-                step,
-                input_ids,
-                attention_mask,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=eos_token_id,
-                pad_token_id=pad_token_id,
-                params=params,
-                generator=generator,
-                sync_every=sync_every,
-            )
+            with eager_layers(self.model):  # a new KV-cache shape every step: no compile
+                return decode_loop(
+                    prefill,
+                    step,
+                    input_ids,
+                    attention_mask,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos_token_id,
+                    pad_token_id=pad_token_id,
+                    params=params,
+                    generator=generator,
+                    sync_every=sync_every,
+                )
         finally:
             state.clear()  # free the KV cache now
 

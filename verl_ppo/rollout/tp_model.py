@@ -21,7 +21,6 @@ in fp32 (tests/verl_ppo/test_tp_model.py).
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from verl_ppo.compiled import CompiledOrEager
 from verl_ppo.model_dims import LLAMA_FAMILY, model_dims
 
 
@@ -99,44 +99,13 @@ def _silu_mul_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-class _Fused:
-    """``fn`` through ``torch.compile`` on CUDA tensors, eager otherwise.
-
-    A decode step of a small model is a few hundred small kernels; RMSNorm (8 elementwise
-    kernels in eager), RoPE (10) and SiLU-and-multiply (2) become one Triton kernel each,
-    which more than halves the kernels of the captured CUDA graph. Same arithmetic as the
-    eager reference (fp32 norm, HF's rotate-half RoPE). If compilation fails the eager
-    function is used from then on and the reason is logged once (``fused_failure``).
-    """
-
-    def __init__(self, fn):
-        self.fn, self.compiled, self.failure = fn, None, None
-
-    def __call__(self, *args):
-        if (
-            self.failure is not None
-            or not args[0].is_cuda
-            or torch.cuda.is_current_stream_capturing()
-            and self.compiled is None
-        ):
-            return self.fn(*args)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, fullgraph=True, dynamic=None)
-        try:
-            return self.compiled(*args)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, say so
-            self.failure = f"{type(e).__name__}: {e}"[:300]
-            logging.getLogger("verl_ppo").warning(
-                "torch.compile of %s failed, decoding with eager kernels: %s",
-                self.fn.__name__,
-                self.failure,
-            )
-            return self.fn(*args)
-
-
-_rms_norm = _Fused(_rms_norm_ref)
-_rope = _Fused(_rope_ref)
-_silu_mul = _Fused(_silu_mul_ref)
+# A decode step of a small model is a few hundred small kernels; RMSNorm (8 elementwise
+# kernels in eager), RoPE (10) and SiLU-and-multiply (2) become one Triton kernel each,
+# which more than halves the kernels of the captured CUDA graph. Same arithmetic as the
+# eager references above (fp32 norm, HF's rotate-half RoPE).
+_rms_norm = CompiledOrEager(_rms_norm_ref)
+_rope = CompiledOrEager(_rope_ref)
+_silu_mul = CompiledOrEager(_silu_mul_ref)
 
 
 def fused_failures() -> dict[str, str]:
