@@ -34,6 +34,29 @@ def _check_finite(m: dict[str, float], what: str) -> None:
         raise RuntimeError(f"{what}: non-finite metrics {bad}")
 
 
+def _kernel_profiler(s: Setup) -> Any:
+    """A ``torch.profiler.profile`` for the last timed step (``--torch-profile``), or None.
+    That step's time includes the profiler's overhead; the table is written on exit."""
+    if not s.torch_profile:
+        return None
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    out = Path(s.torch_profile)
+
+    def write(p: Any) -> None:
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = p.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90)
+        (out / f"kernels_{s.variant or 'default'}.txt").write_text(table)
+
+    return profile(activities=acts, on_trace_ready=write)
+
+
 def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
     """Time ``s.warmup + s.steps`` steps of :class:`verl_ppo.PPOTrainer`; returns per-step
     dicts ``{"step_s", "phases": {name: s}, "trainer_tokens_per_s_per_gpu", ...}`` (all
@@ -77,8 +100,13 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
             _sync()
             if world > 1:
                 dist.barrier()
+            prof = _kernel_profiler(s) if step == s.warmup + s.steps - 1 else None
             t0 = time.perf_counter()
-            m = trainer.train_step(step)
+            if prof is None:
+                m = trainer.train_step(step)
+            else:
+                with prof:
+                    m = trainer.train_step(step)
             _sync()
             (dt,) = _max_over_ranks([time.perf_counter() - t0])
             trainer.profiler.step()
@@ -153,12 +181,20 @@ def check_log_probs_vs_hf(trainer: Any, task: FixedLengthTask, s: Setup) -> dict
     model = trainer.actor.module
     model.eval()
     T = trainer.config.rollout.temperature
-    logits = (
-        model(input_ids=out.sequences, attention_mask=full, position_ids=position_ids_from(full))
-        .logits[:, P - 1 : -1]
-        .float()
-        / T
-    )
+    from verl_ppo.compiled import eager_layers
+
+    with eager_layers(model):  # the plain forward: HF's eager layers, whatever is compiled
+        logits = (
+            model(
+                input_ids=out.sequences,
+                attention_mask=full,
+                position_ids=position_ids_from(full),
+                use_cache=False,
+            )
+            .logits[:, P - 1 : -1]
+            .float()
+            / T
+        )
     lsm = torch.log_softmax(logits, -1)
     ref = lsm.gather(-1, resp[..., None]).squeeze(-1)
     shifted = lsm[:, :-1].gather(-1, resp[:, 1:, None]).squeeze(-1)

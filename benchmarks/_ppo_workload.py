@@ -60,12 +60,14 @@ class Setup:
     overrides: dict[str, Any] = field(default_factory=dict)
     run_id: str | None = None  # shared by every record of one device call
     variant: str | None = None  # name of the overrides (None: "default" or the overrides)
+    torch_profile: str | None = None  # folder for the last timed step's kernel table
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> Setup:
         """From parsed options (:func:`add_workload_args` plus ``warmup``, ``steps``)."""
         names = ("shape", "layers", "prompt_len", "response_len", "rollout_batch")
         names += ("micro_batch", "warmup", "steps", "model_dir", "run_id", "variant")
+        names += ("torch_profile",)
         return cls(**{n: getattr(a, n, None) for n in names})
 
     def model_fields(self) -> dict[str, Any]:

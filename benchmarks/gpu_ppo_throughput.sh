@@ -13,6 +13,8 @@
 #   2. trl_ppo (trl 1.12.0, the last release with trl.experimental.ppo): same (SKIP_TRL=1: not)
 #   3. optional: named verl_ppo variants, VARIANTS="name:key=value[,key=value] ..." (each a run)
 #   4. the markdown report and the speedup record (target: ours >= 3 x TRL)
+# TORCH_PROFILE=1: ours also writes OUTDIR/kernels_<variant>.txt (torch.profiler table of the
+# last timed step, which the profiler slows; the timings come from the other steps' median).
 # Writes 3 files to OUTDIR: ppo_throughput.jsonl, ppo_throughput.md, ppo_throughput.log.
 # Exit status: non-zero if any run failed (the others still run).
 # Dry run of the plumbing on a CPU machine (gloo, tiny model; wheels already on PYTHONPATH):
@@ -84,7 +86,7 @@ bench() {  # bench LABEL TIMEOUT_S ARGS...
   local t0=$SECONDS
   timeout -k 10 "$limit" $PY -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
     benchmarks/ppo_throughput.py --model-dir "$TOK" --out "$OUT" --warmup "$WARMUP" \
-    --steps "$STEPS" "${SIZE[@]}" "$@" 2>&1 | grep --line-buffered -v "Passing \`generation_config\` together" | tee -a "$LOG"
+    --steps "$STEPS" "${SIZE[@]}" ${TORCH_PROFILE:+--torch-profile "$OUT"} "$@" 2>&1 | grep --line-buffered -v "Passing \`generation_config\` together" | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   say "########## $label: exit $rc after $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || FAILED=1

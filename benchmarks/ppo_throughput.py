@@ -125,6 +125,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         help="id shared by every record of one device call (default: $VERL_RUN_ID, else new)",
     )  # fmt: skip
     p.add_argument("--variant", default=None, help="name of this run's --set overrides")
+    p.add_argument(
+        "--torch-profile", default=None, metavar="DIR",
+        help="ours: profile the last timed step with torch.profiler; rank 0 writes "
+        "DIR/kernels_<variant>.txt (device time per op and per phase, top 40)",
+    )  # fmt: skip
     p.add_argument("--export-tokenizer", metavar="DIR", help="write the tokenizer folder, exit")
     a = p.parse_args(argv)
     if not a.run_id and not a.report:

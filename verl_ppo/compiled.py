@@ -89,16 +89,45 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return []
 
 
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
+
+RECOMPILE_LIMIT = 32
+"""Compilations allowed per code object (torch's default is 8). A decoder layer's forward
+compiles per (training or eval mode, grad or no-grad, static then dynamic shapes): actor,
+reference and critic share it; past the limit dynamo would run it eagerly for good."""
+
+
+class _LayerCall:
+    """A layer's ``_compiled_call_impl``: the compiled call, except with a KV cache (HF
+    decoding or any forward that builds one), which runs eagerly: a cache's per-layer
+    state would make the layers compile once each and exhaust the recompile limit."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.eager = layer._call_impl
+        self.compiled = torch.compile(layer._call_impl, dynamic=None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
+            return self.eager(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
+
+
 def compile_decoder_layers(model: Any) -> int:
     """Regional ``torch.compile`` of each decoder layer of ``model`` (in place, module
-    names and parameters unchanged; compiled on the first call, forward and backward).
+    names and parameters unchanged; compiled on the first call, forward and backward; a
+    call with a KV cache runs eagerly). Raises dynamo's ``recompile_limit`` to at least
+    :data:`RECOMPILE_LIMIT` (process-wide).
 
     Returns:
         The number of layers compiled (0: no decoder layers found).
     """
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(dynamic=None)
+        layer._compiled_call_impl = _LayerCall(layer)
     return len(layers)
 
 

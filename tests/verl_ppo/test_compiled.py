@@ -76,6 +76,24 @@ def test_hf_generation_runs_compiled_layers_eagerly():
     assert torch.equal(got, generate(ref, ids, mask, **kw))
 
 
+def test_a_forward_with_a_kv_cache_runs_eagerly():
+    """HF builds a DynamicCache when ``use_cache`` is not False: its per-layer state would
+    compile each layer once and exhaust the recompile limit (then training runs eager)."""
+    from torch._dynamo.utils import counters
+
+    m = _tiny(2).eval()
+    ref = copy.deepcopy(m)
+    compile_decoder_layers(m)
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(2))
+    before = sum(counters["frames"].values())
+    with torch.no_grad():
+        got = m(input_ids=ids, use_cache=True).logits
+        want = ref(input_ids=ids, use_cache=True).logits
+    assert sum(counters["frames"].values()) == before
+    assert torch.equal(got, want)
+    assert torch._dynamo.config.recompile_limit >= 32
+
+
 def test_compiled_or_eager_runs_eagerly_on_cpu():
     calls = []
 
