@@ -59,6 +59,7 @@ def summarize(
             "unit": "tokens/s/GPU",
             "tokens_per_step": tokens,
             "step_s_all": [round(x["step_s"], 4) for x in timed],
+            "warmup_step_s": [round(x["step_s"], 4) for x in steps[: s.warmup]],
         },
         {**base, "metric": "step_time_s", "value": step_med, "unit": "s"},
     ]
@@ -217,6 +218,14 @@ def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
             f"| {row[0]} | {row[1]} | {tps['value']:.0f} | {vs_trl} | {of_floor} | {step:.3g} "
             f"| {ph} | {num or '-'} | {tps['commit']}, {tps['date']} |"
         )
+    warm = [
+        f"{k[0]} {k[1]}: " + ", ".join(f"{x:.3g}" for x in last[(*k, m, None)]["warmup_step_s"])
+        for k in real
+        for m in ("tokens_per_s_per_gpu",)
+        if last[(*k, m, None)].get("warmup_step_s")
+    ]
+    if warm:  # compilation, CUDA-graph capture, allocator growth: paid once, not timed
+        lines += ["", "Warm-up steps (untimed), s: " + "; ".join(warm) + "."]
     ours = [k for k in real if k[0] == "verl_ppo"]
     if ours:
         lines += [
