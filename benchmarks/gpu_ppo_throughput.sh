@@ -9,7 +9,8 @@
 # Runs, each an NPROC-process torchrun launch (default: every GPU, at most 2; NCCL, bf16, one
 # GPU per rank), Qwen2.5-0.5B shape with random weights, 256-token prompts + 256-token
 # responses, 128 sequences per step, all records under one run_id ($RUN_ID, default a UTC stamp):
-#   1. verl_ppo, default settings: 1 warm-up + 3 timed steps (numerics checked first)
+#   1. verl_ppo, default settings: 3 warm-up + 3 timed steps (numerics checked first; the
+#      warm-up holds torch.compile's compilations, which end during the third step)
 #   2. trl_ppo (trl 1.12.0, the last release with trl.experimental.ppo): same (SKIP_TRL=1: not)
 #   3. optional: named verl_ppo variants, VARIANTS="name:key=value[,key=value] ..." (each a run)
 #   4. the markdown report and the speedup record (target: ours >= 3 x TRL)
@@ -33,7 +34,7 @@ STEPS=${STEPS:-3}
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 NPROC=${NPROC:-$((NGPU < 2 ? (NGPU < 1 ? 1 : NGPU) : 2))}
 export VERL_RUN_ID=${RUN_ID:-$(date -u +%Y%m%dT%H%M%SZ)}
-WARMUP=${WARMUP:-1}
+WARMUP=${WARMUP:-3}
 LOG="$OUT/ppo_throughput.log"
 : > "$LOG"
 rm -f "$OUT/ppo_throughput.jsonl" "$OUT/ppo_throughput.md"
