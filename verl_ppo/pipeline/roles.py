@@ -166,11 +166,20 @@ class PipelineActor(_PipelineRole):
     def update(
         self, exp: Experience, num_mini_batches: int, ppo_epochs: int, on_policy: bool = False
     ) -> dict[str, float]:
-        """PPO epochs; ``on_policy`` and metrics as :meth:`verl_ppo.roles.Actor.update`."""
+        """PPO epochs; ``on_policy`` and metrics as :meth:`verl_ppo.roles.Actor.update`.
+
+        Raises:
+            ValueError: ``algorithm.kl.use_kl_loss`` without ``exp.ref_log_prob`` (as the
+                data-parallel actor; the pipeline's labels would otherwise carry zeros).
+        """
+        if self.algo.kl.use_kl_loss and exp.ref_log_prob is None:
+            raise ValueError(
+                "algorithm.kl.use_kl_loss needs the reference log-probs: exp.ref_log_prob is None"
+            )
         self.loss.on_policy = on_policy
 
         def labels(mb: Experience):
-            ref = (
+            ref = (  # unused by the loss without use_kl_loss: a placeholder label
                 mb.ref_log_prob
                 if mb.ref_log_prob is not None
                 else torch.zeros_like(mb.old_log_prob)
