@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from verl_ppo.compiled import (
     CompiledOrEager,
@@ -23,18 +22,11 @@ from verl_ppo.compiled import (
 from verl_ppo.models import build_value_model
 
 
-def _tiny(layers: int = 2, dtype=torch.float32) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(cfg).to(dtype)
+def _tiny(layers: int = 2, dtype=torch.float32) -> torch.nn.Module:
+    from tests.verl_ppo._models import tiny_causal_lm
+
+    fields = dict(hidden_size=64, intermediate_size=128, vocab_size=256)
+    return tiny_causal_lm("llama", num_hidden_layers=layers, **fields).to(dtype)
 
 
 def test_decoder_layers_of_each_model_kind():

@@ -79,27 +79,9 @@ def _reward_folder(path: str) -> str:
     Its ``initializer_range`` 0.3 spreads that logit over responses with a standard
     deviation of ~1 (at BERT's default 0.02 the pooled CLS output barely depends on the
     text: std ~2e-5 over random responses)."""
-    import shutil
+    from tests.verl_ppo._models import tiny_reward_classifier
 
-    from transformers import BertConfig, BertForSequenceClassification
-
-    from verl_ppo.reward.model import default_encoder_path
-
-    cfg = BertConfig(
-        vocab_size=30522,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=1,
-        initializer_range=0.3,
-    )
-    torch.manual_seed(0)
-    BertForSequenceClassification(cfg).save_pretrained(path)
-    src = default_encoder_path()
-    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(src / f, os.path.join(path, f))
-    return path
+    return tiny_reward_classifier(path, 1, initializer_range=0.3)
 
 
 def _overrides(kind: str, run_dir: str, pp: int, zero: int, reward: str) -> dict:

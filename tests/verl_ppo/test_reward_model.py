@@ -1,8 +1,6 @@
 """ModelReward: the packaged MiniLM encoder as a similarity reward, and a
 sequence-classification folder."""
 
-import shutil
-
 import pytest
 import reasoning_gym
 import torch
@@ -66,21 +64,9 @@ def test_missing_answer_is_a_clear_error(minilm):
 
 
 def test_sequence_classification_folder(tmp_path):
-    from transformers import BertConfig, BertForSequenceClassification
+    from tests.verl_ppo._models import tiny_reward_classifier
 
-    src = default_encoder_path()
-    cfg = BertConfig(
-        vocab_size=30522,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=2,
-    )
-    torch.manual_seed(0)
-    BertForSequenceClassification(cfg).save_pretrained(tmp_path)
-    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(src / f, tmp_path / f)
+    tiny_reward_classifier(tmp_path, 2)
     rm = ModelReward(tmp_path, max_length=32, batch_size=2)
     assert rm.kind == "classifier" and rm.positive_label == 1
     prompts = ["What is 2+2?", "Name a colour.", "Hi"]
