@@ -10,7 +10,7 @@
 # GPU per rank), Qwen2.5-0.5B shape with random weights, 256-token prompts + 256-token
 # responses, 128 sequences per step, all records under one run_id ($RUN_ID, default a UTC stamp):
 #   1. verl_ppo, default settings: 3 warm-up + 3 timed steps (numerics checked first; the
-#      warm-up holds torch.compile's compilations, which end during the third step)
+#      warm-up holds torch.compile's compilations: on one H200 the last ones ran in step 3)
 #   2. trl_ppo (trl 1.12.0, the last release with trl.experimental.ppo): same (SKIP_TRL=1: not)
 #   3. optional: named verl_ppo variants, VARIANTS="name:key=value[,key=value] ..." (each a run)
 #   4. the markdown report and the speedup record (target: ours >= 3 x TRL)
