@@ -83,9 +83,9 @@ class PipelineRoles:
 
 def pipeline_fast_path(cfg: Any) -> Any:
     """The :class:`~verl_ppo.fast_path.FastPath` of a pipeline run: CUDA graphs, sequence
-    packing, the fused LM head, token-budget micro-batches and torch.compile are off (explicit ``true`` is
-    refused by :mod:`verl_ppo.pipeline.checks`); the ``old_log_prob`` bypass resolves as
-    usual (the rollout model's log-probs)."""
+    packing, the fused LM head, token-budget micro-batches and torch.compile are off
+    (explicit ``true`` is refused by :mod:`verl_ppo.pipeline.checks`); the ``old_log_prob``
+    bypass resolves as usual (the rollout model's log-probs)."""
     from verl_ppo.fast_path import FastPath, resolve_old_log_prob
 
     why = "off: pipeline training (fixed-size pipeline micro-batches, TP rollout model)"

@@ -98,10 +98,10 @@ def _chunk_grad(z_lowp, targets, lse, ent, gl, ge, temperature: float):
     return gz.to(z_lowp.dtype)
 
 
-# On CUDA the per-chunk fp32 softmax statistics and gradient are ~8 full passes over a
-# (C, V) fp32 buffer each in eager mode (3x the chunk's matmul time on an H200 at V =
-# 151,936); compiled, each is one kernel reading the chunk's bf16 logits once. Dynamic in
-# C (the last chunk of a micro-batch is shorter). Eager (the reference) on the CPU.
+# In eager mode the per-chunk fp32 softmax statistics and gradient are each several full
+# passes over a (C, V) fp32 buffer (upcast, logsumexp, exp, products, sums); compiled on
+# CUDA, each is one kernel reading the chunk's bf16 logits once. Dynamic in C (the last
+# chunk of a micro-batch is shorter). Eager (the reference) on the CPU.
 _stats = CompiledOrEager(_chunk_stats, dynamic=True)
 _grad = CompiledOrEager(_chunk_grad, dynamic=True)
 
