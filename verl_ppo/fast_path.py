@@ -17,7 +17,8 @@ as ``auto/<key>`` metrics: 1 = on, 0 = off, or the resolved number).
 - ``algorithm.old_log_prob``: ``bypass`` with one PPO epoch and one mini-batch, else
   ``forward`` (see :func:`resolve_old_log_prob`).
 - ``train.torch_compile``: regional ``torch.compile`` of the decoder layers of the actor,
-  reference and critic (:mod:`verl_ppo.compiled`) on CUDA; off on the CPU.
+  reference and critic (:mod:`verl_ppo.compiled`) on CUDA; off on the CPU, with ZeRO-3
+  (refused if set) and with gradient checkpointing (allowed if set).
 - ``actor.optim.fused`` / ``critic.optim.fused``: torch's fused AdamW on CUDA.
 - ``actor.zero_stage`` / ``critic.zero_stage``: 1 on CUDA, 0 on the CPU (resolved when the
   config is validated, :func:`verl_ppo.config.resolve_zero_stage`; reported here).
@@ -170,11 +171,23 @@ def resolve(cfg: Any, cuda: bool, policy: Any) -> FastPath:
         cfg.train.fused_log_probs, why_head, "train.fused_log_probs", "set it to auto or false"
     )
     fp.bypass_old_log_prob, fp.reasons["algorithm.old_log_prob"] = resolve_old_log_prob(cfg)
+    why_compile = torch_compile_unsupported(cuda, policy)
+    stages = {cfg.actor.zero_stage}
+    if cfg.algorithm.adv_estimator == "gae":
+        stages.add(cfg.critic.zero_stage)
+    if why_compile is None and 3 in stages:
+        why_compile = (
+            "ZeRO-3 gathers each layer's parameters in module hooks, which the compiled "
+            "layer call would trace (not supported here)"
+        )
+    if (
+        why_compile is None
+        and cfg.model.gradient_checkpointing
+        and cfg.train.torch_compile == "auto"
+    ):
+        why_compile = "model.gradient_checkpointing (compiled recomputation not measured here)"
     fp.torch_compile, fp.reasons["train.torch_compile"] = _switch(
-        cfg.train.torch_compile,
-        torch_compile_unsupported(cuda, policy),
-        "train.torch_compile",
-        "set it to auto or false",
+        cfg.train.torch_compile, why_compile, "train.torch_compile", "set it to auto or false"
     )
     if fp.torch_compile:
         fp.reasons["train.torch_compile"] += (

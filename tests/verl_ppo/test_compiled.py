@@ -131,3 +131,34 @@ def test_compiled_training_step_matches_eager_on_cuda():
             rel = (a.grad.float() - b.grad.float()).norm() / a.grad.float().norm().clamp_min(1e-8)
             assert rel < 5e-2, (n, float(rel))
     assert all(layer._compiled_call_impl is not None for layer in c.model.layers)
+
+
+@pytest.mark.parametrize(
+    "over, on, reason",
+    [
+        ({}, True, "on (auto)"),
+        ({"actor.zero_stage": 3}, False, "ZeRO-3"),
+        ({"critic.zero_stage": 3}, False, "ZeRO-3"),
+        ({"model.gradient_checkpointing": True}, False, "gradient_checkpointing"),
+        ({"model.gradient_checkpointing": True, "train.torch_compile": True}, True, "on (set)"),
+        ({"train.torch_compile": False}, False, "off (set)"),
+    ],
+)
+def test_resolution_on_a_cuda_machine(over, on, reason):
+    """What ``auto`` resolves to with CUDA (``resolve`` takes the device as an argument)."""
+    from verl_ppo.config import build_config
+    from verl_ppo.fast_path import resolve
+
+    fp = resolve(build_config(None, **over), True, _tiny(1))
+    assert fp.torch_compile is on
+    assert reason in fp.reasons["train.torch_compile"]
+    assert fp.metrics()["auto/train.torch_compile"] == float(on)
+
+
+def test_explicit_true_with_zero3_is_refused():
+    from verl_ppo.config import ConfigError, build_config
+    from verl_ppo.fast_path import resolve
+
+    cfg = build_config(None, **{"actor.zero_stage": 3, "train.torch_compile": True})
+    with pytest.raises(ConfigError, match="train.torch_compile=true cannot apply: ZeRO-3"):
+        resolve(cfg, True, _tiny(1))
