@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -100,13 +100,11 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
             _sync()
             if world > 1:
                 dist.barrier()
-            prof = _kernel_profiler(s) if step == s.warmup + s.steps - 1 else None
+            last = step == s.warmup + s.steps - 1
+            prof = (_kernel_profiler(s) if last else None) or nullcontext()
             t0 = time.perf_counter()
-            if prof is None:
+            with prof:
                 m = trainer.train_step(step)
-            else:
-                with prof:
-                    m = trainer.train_step(step)
             _sync()
             (dt,) = _max_over_ranks([time.perf_counter() - t0])
             trainer.profiler.step()
