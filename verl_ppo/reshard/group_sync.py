@@ -64,7 +64,13 @@ class SyncStats:
         elems: rollout-dtype elements covered; changed: of them, different from the last sync.
         encodings: buckets per encoding name.
         encode_s: sender, seconds to cast, slice and encode.
-        transfer_s: receiver, seconds from ``start()`` until the last bucket was decoded.
+        started_at: sender, ``time.time()`` when ``start()`` began.
+        wait_s: receiver, seconds from ``start()`` until the first header arrived (the
+            senders had not started: training time, not wire time).
+        transfer_s: receiver, seconds from the first header's arrival until the last bucket
+            was decoded and the checksums checked.
+        done_at: receiver, ``time.time()`` when the transfer ended (a clock all processes of
+            one host share, for measuring a sync across ranks).
         pause_s: receiver, seconds ``switch()`` blocked (waiting + copying into live weights).
         verified: receiver, every stream's checksum matched the sender's.
     """
@@ -78,7 +84,10 @@ class SyncStats:
     changed: int = 0
     encodings: dict[str, int] = field(default_factory=dict)
     encode_s: float = 0.0
+    started_at: float = 0.0
+    wait_s: float = 0.0
     transfer_s: float = 0.0
+    done_at: float = 0.0
     pause_s: float = 0.0
     verified: bool = False
 
@@ -222,7 +231,7 @@ class SyncSender:
             KeyError, ValueError: a parameter the plan needs is missing or has another shape.
         """
         self.finish()
-        stats = SyncStats(self.step, self.wire)
+        stats = SyncStats(self.step, self.wire, started_at=time.time())
         for i, s in enumerate(self.streams):
             t0 = time.perf_counter()
             header, payloads = self._encode(i, s, self._flat(s, params), stats)
@@ -326,7 +335,8 @@ class SyncReceiver:
                 self._event = stream.record_event()
             else:
                 self._receive()
-            self._stats.transfer_s = time.perf_counter() - self._t0
+            self._stats.transfer_s = time.perf_counter() - self._t0 - self._stats.wait_s
+            self._stats.done_at = time.time()
         except BaseException as e:  # re-raised by switch() in the caller's thread
             self._error = e
 
@@ -339,8 +349,12 @@ class SyncReceiver:
             st.header_bytes += h.numel() * h.element_size()
             headers.append((h, peer.irecv(h, s.src, st)))
         posted = []
-        for s, bl, (h, work), stage in zip(self.streams, bucket_lists, headers, self._staging):
+        for i, (s, bl, (h, work), stage) in enumerate(
+            zip(self.streams, bucket_lists, headers, self._staging)
+        ):
             peer.wait(work, dl, s.src, "header receive")
+            if i == 0:
+                st.wait_s = time.perf_counter() - self._t0
             meta = h.view(-1, 2).tolist()
             for k, ((a, b), (kind, changed)) in enumerate(zip(bl, meta[1:])):
                 st.changed += changed
