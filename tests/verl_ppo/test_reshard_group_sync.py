@@ -186,3 +186,40 @@ def test_sender_receiver_refuse_bad_arguments():
         SyncReceiver(plan, 0)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         SyncReceiver(plan, 2, dtype=torch.float32)
+
+
+def worker_nccl(rank, world):
+    """1 training + 1 rollout rank on two GPUs, delta wire, 4 syncs (NCCL transport)."""
+    ctx = DistContext.from_default_group(120.0)
+    group = ctx.new_group([0, 1])
+    cfg = tiny_config("qwen2")
+    plan = plan_group_sync(cfg, L(dp=1), L(tp=1), [0], [1], bucket_elems=BUCKET)
+    dev = torch.device("cuda", rank)
+    ok = []
+    for full in _states(plan.specs, 4):
+        if rank == 0:
+            if not ok:
+                tx = SyncSender(plan, 0, group, "delta", device=dev, timeout_s=60)
+            tx.start({n: t.to(dev) for n, t in full.items()})
+            tx.finish()
+            ok.append(True)
+        else:
+            if not ok:
+                rx = SyncReceiver(plan, 1, group, "delta", device=dev, timeout_s=60)
+            rx.start()
+            st = rx.switch()
+            exp = _expected(plan, 1, full)
+            ok.append(
+                st.verified
+                and all(
+                    torch.equal(rx.live[n].cpu().view(torch.int16), exp[n].view(torch.int16))
+                    for n in exp
+                )
+            )
+    return ok
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+def test_group_sync_nccl_two_gpus():
+    res = spawn(f"{__file__}:worker_nccl", 2, backend="nccl", timeout_s=180)
+    assert all(res[0]) and all(res[1]) and len(res[1]) == 4, res
