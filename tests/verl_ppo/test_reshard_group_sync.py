@@ -61,14 +61,14 @@ def _run_case(rank, kind, train, wire, group, steps=4):
     res = []
     if rank < 2:
         dims = model_dims(cfg)
-        sender = SyncSender(plan, rank, group, wire=wire, timeout_s=60)
+        sender = SyncSender(plan, rank, group, wire=wire, timeout_s=150)
         for full in states:
             held = {s.name: full[s.name] for s in plan.specs if shard_for(s, train, rank, dims)}
             st = sender.start(held)
             sender.finish()
             res.append({"sent": st.bytes_sent, "header": st.header_bytes, "enc": st.encodings})
         return res
-    rx = SyncReceiver(plan, rank, group, wire=wire, timeout_s=60)
+    rx = SyncReceiver(plan, rank, group, wire=wire, timeout_s=150)
     prev = {n: torch.zeros_like(t) for n, t in rx.live.items()}
     for full in states:
         exp = _expected(plan, rank, full)
@@ -123,7 +123,7 @@ def worker(rank, world):
 
 
 def test_group_sync_four_ranks():
-    res = spawn(f"{__file__}:worker", 4, timeout_s=180)
+    res = spawn(f"{__file__}:worker", 4, timeout_s=300)
     for case in ("dp2_full", "dp2_delta", "pp2_delta"):
         sent = [sum(r["sent"] for r in res[i][case]) for i in (0, 1)]
         assert min(sent) > 0, (case, sent)  # both training ranks send: no single sender
@@ -145,7 +145,7 @@ def test_group_sync_four_ranks():
     for rank in (2, 3):
         msg, elapsed = res[rank]["timeout"]
         assert f"rank {rank}" in msg and "header receive" in msg and "timed out" in msg, msg
-        assert 1.9 <= elapsed < 2.0 + 3.0, elapsed  # within timeout_s, plus thread join
+        assert 1.9 <= elapsed < 2.0 + 8.0, elapsed  # timeout_s, plus slack for a loaded CPU
 
 
 def test_plan_spreads_senders_and_covers_each_shard_once():
