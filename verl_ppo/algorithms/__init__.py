@@ -4,7 +4,8 @@ Registries (name -> function; the config names the entry):
 
 - :data:`ADV_ESTIMATORS` (``algorithm.adv_estimator``): ``gae``, ``grpo``;
 - :data:`REWARD_SHAPERS` (``algorithm.reward_shaping``): ``last_token``;
-- :data:`POLICY_LOSSES` (``algorithm.policy_loss``): ``vanilla``;
+- :data:`POLICY_LOSSES` (``algorithm.policy_loss``): ``vanilla``, ``decoupled`` (off-policy
+  correction with a truncated importance weight, :mod:`~verl_ppo.algorithms.off_policy`);
 - :data:`KL_ESTIMATORS` (``algorithm.kl.estimator``): ``k1``, ``k2``, ``k3``.
 
 Shapes: ``(batch, response_len)`` for per-token tensors, ``(batch,)`` for per-sequence ones;
@@ -38,6 +39,7 @@ from verl_ppo.algorithms.losses import (
     register_policy_loss,
     value_loss_clipped,
 )
+from verl_ppo.algorithms.off_policy import policy_loss_decoupled, truncated_is_weight
 from verl_ppo.algorithms.rewards import (
     REWARD_SHAPERS,
     last_token_rewards,
@@ -62,10 +64,12 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "policy_loss_decoupled",
     "policy_loss_vanilla",
     "register_adv_estimator",
     "register_kl_estimator",
     "register_policy_loss",
     "register_reward_shaper",
+    "truncated_is_weight",
     "value_loss_clipped",
 ]

@@ -120,6 +120,27 @@ def policy_loss_vanilla(
     Raises:
         ValueError: ``clip_ratio_c <= 1``.
     """
+    per_token, metrics = clipped_surrogate(
+        old_log_prob, log_prob, advantages, response_mask, clip_ratio, clip_ratio_high, clip_ratio_c
+    )
+    return agg_loss(per_token, response_mask, loss_agg_mode, global_tokens), metrics
+
+
+def clipped_surrogate(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token dual-clip PPO loss ``(B, T)`` (see :func:`policy_loss_vanilla`) and its
+    detached metrics; shared by the registered policy losses.
+
+    Raises:
+        ValueError: ``clip_ratio_c <= 1``.
+    """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
     eps_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
@@ -131,7 +152,6 @@ def policy_loss_vanilla(
     loss3 = -advantages * clip_ratio_c
     dual = torch.minimum(clipped, loss3)
     per_token = torch.where(advantages < 0, dual, clipped)
-    loss = agg_loss(per_token, response_mask, loss_agg_mode, global_tokens)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss2 > loss1).float(), response_mask),
@@ -140,7 +160,7 @@ def policy_loss_vanilla(
             ),
             "ppo_kl": masked_mean(-neg_kl, response_mask),
         }
-    return loss, metrics
+    return per_token, metrics
 
 
 def value_loss_clipped(

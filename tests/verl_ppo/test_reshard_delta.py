@@ -1,0 +1,140 @@
+"""Delta weight-sync codec: lossless (bit for bit), sizes as chosen, odd shapes, bad input.
+
+Bit equality is the property under test (the receiver must hold the sender's exact bf16
+bytes), so tensors are compared with ``torch.equal`` on their int16 views.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from verl_ppo.reshard.delta import (
+    BITMASK,
+    FULL,
+    INDEX,
+    checksum,
+    choose_encoding,
+    decode_,
+    encode,
+    encoded_nbytes,
+)
+
+
+def _bits(t):
+    return t.view(torch.int16)
+
+
+def _updates(n, steps=20, seed=0):
+    """fp32 master weights moved by AdamW-sized steps of varying size, cast to bf16; step 5
+    changes nothing, step 9 flips the lowest bit of every element (everything changes)."""
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g) * 0.02
+    for step in range(steps):
+        if step == 5:
+            yield master.to(torch.bfloat16), "none"
+            continue
+        if step == 9:
+            flipped = master.to(torch.bfloat16).view(torch.int16) ^ 1
+            master = flipped.view(torch.bfloat16).float()
+            yield master.to(torch.bfloat16), "all"
+            continue
+        lr = [1e-6, 1e-5, 1e-4, 1e-3][step % 4]
+        master = master - lr * torch.randn(n, generator=g).sign()
+        yield master.to(torch.bfloat16), "step"
+
+
+@pytest.mark.parametrize("n", [1, 7, 4096, 1823 * 7])
+def test_delta_bit_exact_over_20_updates(n):
+    sender_ref = torch.zeros(n, dtype=torch.bfloat16)
+    receiver = torch.zeros(n, dtype=torch.bfloat16)
+    kinds = set()
+    for new, what in _updates(n):
+        enc = encode(sender_ref, new)
+        changed = int((_bits(sender_ref) != _bits(new)).sum())
+        assert enc.changed == changed
+        assert enc.payload.numel() == encoded_nbytes(enc.kind, n, changed)
+        assert enc.kind == choose_encoding(n, changed)
+        if what == "none":
+            assert changed == 0 and enc.kind == INDEX and enc.payload.numel() == 0
+        if what == "all":
+            assert changed == n and enc.kind == FULL
+        decode_(receiver, enc.kind, enc.changed, enc.payload)
+        assert torch.equal(_bits(receiver), _bits(new))
+        assert checksum(receiver) == checksum(new)
+        sender_ref.copy_(new)
+        kinds.add(enc.kind)
+    if n >= 4096:  # sparse, medium and dense updates all occur
+        assert kinds == {FULL, INDEX, BITMASK}, kinds
+
+
+def test_choose_encoding_is_the_smallest():
+    for n in (1, 8, 9, 1000):
+        for k in range(0, n + 1, max(1, n // 50)):
+            sizes = {kind: encoded_nbytes(kind, n, k) for kind in (FULL, INDEX, BITMASK)}
+            assert sizes[choose_encoding(n, k)] == min(sizes.values())
+    assert encoded_nbytes(BITMASK, 9, 2) == 2 + 4 and encoded_nbytes(INDEX, 9, 2) == 12
+
+
+def test_signed_zero_and_nan_payloads_count_as_changes():
+    ref = torch.tensor([0.0, float("nan"), 1.0], dtype=torch.bfloat16)
+    new = ref.clone()
+    new.view(torch.int16)[0] = -32768  # -0.0 == 0.0 as floats, not as bits
+    new.view(torch.int16)[1] ^= 1  # another NaN payload
+    enc = encode(ref, new)
+    assert enc.changed == 2
+    out = ref.clone()
+    decode_(out, enc.kind, enc.changed, enc.payload)
+    assert torch.equal(_bits(out), _bits(new))
+
+
+def test_misaligned_payload_slice_decodes():
+    ref = torch.zeros(9, dtype=torch.bfloat16)
+    new = ref.clone()
+    new[::2] = 1.0  # 5 of 9 changed: bitmask (2 + 10 B) beats index (30 B) and full (18 B)
+    enc = encode(ref, new)
+    assert enc.kind == BITMASK
+    buf = torch.cat([torch.zeros(1, dtype=torch.uint8), enc.payload])  # odd offset
+    decode_(ref, enc.kind, enc.changed, buf[1:])
+    assert torch.equal(_bits(ref), _bits(new))
+
+
+def test_bad_input_refused():
+    a = torch.zeros(16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not contiguous"):
+        encode(a[::2], a[::2].clone())
+    with pytest.raises(ValueError, match="16-bit float"):
+        encode(a.float(), a.float())
+    with pytest.raises(ValueError, match="differ"):
+        encode(a, a[:8].clone())
+    with pytest.raises(ValueError, match="1-D"):
+        encode(a.view(4, 4), a.view(4, 4))
+    with pytest.raises(ValueError, match="must be 2 uint8 bytes"):  # FULL of 1 element
+        decode_(a[:1].clone(), FULL, 1, torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="contiguous 16-bit"):
+        checksum(a.view(4, 4).t())
+
+
+def test_checksum_reference_and_sensitivity():
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(1001, generator=g).to(torch.bfloat16)
+    w = t.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    # independent reference in numpy (no overflow at this size)
+    assert checksum(t) == (int(w.sum()), int((w * np.arange(1, 1002)).sum()))
+    swapped = t.clone()
+    swapped[[0, 1]] = t[[1, 0]]
+    assert t[0] != t[1]
+    assert checksum(swapped)[0] == checksum(t)[0] and checksum(swapped)[1] != checksum(t)[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_checksum_and_codec_same_on_cuda():
+    g = torch.Generator().manual_seed(4)
+    ref = torch.randn(70001, generator=g).to(torch.bfloat16)
+    new = ref.clone()
+    new[::37] += 0.01
+    assert checksum(ref.cuda()) == checksum(ref)
+    enc_c, enc_g = encode(ref, new), encode(ref.cuda(), new.cuda())
+    assert enc_c.kind == enc_g.kind and torch.equal(enc_c.payload, enc_g.payload.cpu())
+    out = ref.cuda()
+    decode_(out, enc_g.kind, enc_g.changed, enc_g.payload)
+    assert torch.equal(_bits(out.cpu()), _bits(new))

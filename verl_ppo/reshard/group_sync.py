@@ -1,0 +1,418 @@
+"""Asynchronous weight sync from training ranks to rollout ranks (point-to-point, bucketed).
+
+Runs a :class:`~verl_ppo.reshard.group_plan.GroupSyncPlan`. Per sync and per stream the
+sender posts, with ``isend`` on the sync group (gloo on CPU, NCCL on GPUs: the transport is
+the group's backend), one header (int64: the stream's :func:`~verl_ppo.reshard.delta.checksum`
+and ``(encoding, changed)`` per bucket), then one message per bucket that has bytes. With
+``wire="full"`` every bucket is the rollout-dtype values; with ``wire="delta"`` it is the
+:mod:`~verl_ppo.reshard.delta` encoding against what the receiver already holds (the first
+sync is full). Bytes are counted from the tensors handed to ``isend``/``irecv``.
+
+The rollout side keeps generating with its live weights while a background thread receives
+into a staging copy: it posts the header receive, then the bucket receives (sizes from the
+header), waits for them and decodes each bucket into staging, then checks the checksum (the
+staging copy is bit-identical to the trainer's weights cast to the rollout dtype, or a
+:class:`WeightSyncError` says which stream differs). :meth:`SyncReceiver.switch` waits only
+for what is left and copies staging into the live weights; its duration is the pause of
+generation, recorded apart from the transfer time. The thread touches only the sync group,
+so the sync group must be used by nothing else (pass a dedicated group, e.g.
+``ctx.new_group(all ranks)``). gloo does not report completion of a receive until it is
+waited on, hence a thread rather than polling.
+
+Every wait has a deadline (``timeout_s``); a peer that never sends, or dies, raises a
+:class:`WeightSyncError` naming this rank, the peer and the phase.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from verl_ppo.reshard.delta import (
+    ENCODINGS,
+    FULL,
+    checksum,
+    decode_,
+    encode,
+    encoded_nbytes,
+)
+from verl_ppo.reshard.group_plan import GroupSyncPlan, SyncStream
+from verl_ppo.reshard.specs import slice_shard
+
+WIRES = ("full", "delta")
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed: a timeout, a dead peer or a checksum mismatch (rank and phase named)."""
+
+
+@dataclass
+class SyncStats:
+    """One sync on one rank (sender or receiver).
+
+    Attributes:
+        step: sync counter (0 = the first, always full).
+        wire: ``"full"`` or ``"delta"``.
+        bytes_sent, bytes_received: all bytes handed to isend / irecv (headers included).
+        header_bytes: the headers' share of those bytes.
+        elems: rollout-dtype elements covered; changed: of them, different from the last sync.
+        encodings: buckets per encoding name.
+        encode_s: sender, seconds to cast, slice and encode.
+        started_at: sender, ``time.time()`` when ``start()`` began.
+        wait_s: receiver, seconds from ``start()`` until the first header arrived (the
+            senders had not started: training time, not wire time).
+        transfer_s: receiver, seconds from the first header's arrival until the last bucket
+            was decoded and the checksums checked.
+        done_at: receiver, ``time.time()`` when the transfer ended (a clock all processes of
+            one host share, for measuring a sync across ranks).
+        pause_s: receiver, seconds ``switch()`` blocked (waiting + copying into live weights).
+        verified: receiver, every stream's checksum matched the sender's.
+    """
+
+    step: int
+    wire: str
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    header_bytes: int = 0
+    elems: int = 0
+    changed: int = 0
+    encodings: dict[str, int] = field(default_factory=dict)
+    encode_s: float = 0.0
+    started_at: float = 0.0
+    wait_s: float = 0.0
+    transfer_s: float = 0.0
+    done_at: float = 0.0
+    pause_s: float = 0.0
+    verified: bool = False
+
+
+class _Peer:
+    """Point-to-point calls on the sync group with byte counting and deadlines."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, cuda: bool) -> None:
+        self.group, self.rank, self.cuda = group, rank, cuda
+
+    def _glob(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def isend(self, t: torch.Tensor, dst: int, stats: SyncStats) -> dist.Work:
+        stats.bytes_sent += t.numel() * t.element_size()
+        return dist.isend(t, self._glob(dst), group=self.group)
+
+    def irecv(self, t: torch.Tensor, src: int, stats: SyncStats) -> dist.Work:
+        stats.bytes_received += t.numel() * t.element_size()
+        return dist.irecv(t, self._glob(src), group=self.group)
+
+    def wait(self, work: dist.Work, deadline: float, peer: int, phase: str) -> None:
+        """Wait for ``work`` until ``deadline`` (``time.monotonic()``).
+
+        Raises:
+            WeightSyncError: the deadline passed or the transport failed (peer died).
+        """
+        what = f"rank {self.rank}: weight sync {phase} with rank {peer}"
+        try:
+            if self.cuda:  # NCCL: completion is observable without blocking
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    time.sleep(1e-4)
+                work.wait()
+            else:  # gloo: wait(timeout) raises at the deadline
+                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        except TimeoutError:
+            raise WeightSyncError(f"{what} timed out (timeout_s exceeded)") from None
+        except RuntimeError as e:
+            kind = "timed out" if "Timed out" in str(e) else "failed"
+            raise WeightSyncError(f"{what} {kind}: {e}") from e
+
+
+def _check_wire(wire: str) -> None:
+    if wire not in WIRES:
+        raise ValueError(f"sync wire {wire!r} is not one of {WIRES}")
+
+
+def _dtype_ok(dtype: torch.dtype) -> None:
+    if not dtype.is_floating_point or torch.empty((), dtype=dtype).element_size() != 2:
+        raise ValueError(f"rollout dtype must be bf16 or fp16, got {dtype}")
+
+
+class SyncSender:
+    """Training side: cast, slice, encode and post this rank's streams.
+
+    Args:
+        plan: the sync plan (same on every rank).
+        rank: this rank in the sync group (a training rank of the plan).
+        group: the sync group (None = WORLD), used by nothing else.
+        wire: ``"full"`` or ``"delta"``.
+        dtype: rollout dtype (bf16 or fp16).
+        device: where the weights live (``cuda`` with NCCL, ``cpu`` with gloo).
+        timeout_s: deadline of :meth:`finish` (seconds).
+
+    Raises:
+        ValueError: unknown wire, a dtype that is not 16-bit floating point, or ``rank``
+            not a training rank of the plan.
+    """
+
+    def __init__(
+        self,
+        plan: GroupSyncPlan,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        wire: str = "delta",
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        timeout_s: float = 300.0,
+    ) -> None:
+        _check_wire(wire)
+        _dtype_ok(dtype)
+        if rank not in plan.train_ranks:
+            raise ValueError(f"rank {rank} is not a training rank {list(plan.train_ranks)}")
+        self.plan, self.rank, self.wire, self.dtype = plan, rank, wire, dtype
+        self.device, self.timeout_s = torch.device(device), timeout_s
+        self.peer = _Peer(group, rank, self.device.type == "cuda")
+        self.streams = plan.sends_of(rank)
+        self._ref: dict[int, torch.Tensor] = {}  # stream index -> what its receiver holds
+        self._pending: list[tuple[dist.Work, int, str, torch.Tensor]] = []
+        self.step = 0
+        self.last_stats: SyncStats | None = None
+
+    def _flat(self, s: SyncStream, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        j = self.plan.rollout_ranks.index(s.dst)
+        parts = []
+        for p in s.params:
+            spec = self.plan.specs[p]
+            if spec.name not in params:
+                raise KeyError(f"rank {self.rank} must send {spec.name!r} but does not hold it")
+            t = params[spec.name].detach()
+            if tuple(t.shape) != spec.shape:
+                raise ValueError(
+                    f"{spec.name}: rank {self.rank} holds shape {tuple(t.shape)}, the sync "
+                    f"plan needs the full {spec.shape}"
+                )
+            sh = self.plan.rollout_shards[j][p]
+            parts.append(slice_shard(t.to(self.device, self.dtype), sh).view(-1))
+        return torch.cat(parts)
+
+    def _encode(self, i: int, s: SyncStream, new: torch.Tensor, stats: SyncStats):
+        ref = self._ref.get(i) if self.wire == "delta" else None
+        header, payloads = [*checksum(new)], []
+        for a, b in s.buckets(self.plan.bucket_elems):
+            if ref is not None:
+                enc = encode(ref[a:b], new[a:b])
+                kind, changed, payload = enc.kind, enc.changed, enc.payload
+            else:
+                kind, changed, payload = FULL, b - a, new[a:b].view(torch.uint8)
+            header += [kind, changed]
+            stats.changed += changed
+            stats.encodings[ENCODINGS[kind]] = stats.encodings.get(ENCODINGS[kind], 0) + 1
+            if payload.numel():
+                payloads.append(payload)
+        if self.wire == "delta":
+            self._ref[i] = new
+        return torch.tensor(header, dtype=torch.int64, device=self.device), payloads
+
+    def start(self, params: Mapping[str, torch.Tensor]) -> SyncStats:
+        """Post this rank's streams for the current weights; returns without waiting.
+
+        Args:
+            params: full (per-stage) training weights by HF name, any float dtype.
+
+        Returns:
+            the stats of this sync (bytes counted as posted).
+
+        Raises:
+            WeightSyncError: the previous sync's sends did not finish within ``timeout_s``.
+            KeyError, ValueError: a parameter the plan needs is missing or has another shape.
+        """
+        self.finish()
+        stats = SyncStats(self.step, self.wire, started_at=time.time())
+        for i, s in enumerate(self.streams):
+            t0 = time.perf_counter()
+            header, payloads = self._encode(i, s, self._flat(s, params), stats)
+            stats.encode_s += time.perf_counter() - t0
+            stats.elems += s.numel
+            stats.header_bytes += header.numel() * header.element_size()
+            for k, t in enumerate([header, *payloads]):
+                phase = "header send" if k == 0 else f"bucket send {k}/{len(payloads)}"
+                self._pending.append((self.peer.isend(t, s.dst, stats), s.dst, phase, t))
+        self.step, self.last_stats = self.step + 1, stats
+        return stats
+
+    def finish(self) -> None:
+        """Wait until every posted send completed (their buffers are then free).
+
+        Raises:
+            WeightSyncError: a receiver did not take its data within ``timeout_s``.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        pending, self._pending = self._pending, []
+        for work, dst, phase, _ in pending:
+            self.peer.wait(work, deadline, dst, phase)
+
+
+class SyncReceiver:
+    """Rollout side: receive into staging in a background thread, switch on demand.
+
+    Args:
+        plan, rank, group, wire, dtype, device: as for :class:`SyncSender` (``rank`` a
+            rollout rank).
+        timeout_s: a sync must complete within this many seconds of :meth:`start`.
+
+    Attributes:
+        live: this rank's rollout shards by HF name (``dtype``, TP-local shapes), what the
+            rollout model reads (e.g. ``TPCausalLM(config, receiver.live, tp)``); zeros until
+            the first :meth:`switch`, then updated in place at every switch.
+
+    Raises:
+        ValueError: as for :class:`SyncSender`.
+    """
+
+    def __init__(
+        self,
+        plan: GroupSyncPlan,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        wire: str = "delta",
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        timeout_s: float = 300.0,
+    ) -> None:
+        _check_wire(wire)
+        _dtype_ok(dtype)
+        if rank not in plan.rollout_ranks:
+            raise ValueError(f"rank {rank} is not a rollout rank {list(plan.rollout_ranks)}")
+        self.plan, self.rank, self.wire, self.dtype = plan, rank, wire, dtype
+        self.device, self.timeout_s = torch.device(device), timeout_s
+        self.peer = _Peer(group, rank, self.device.type == "cuda")
+        self.streams = plan.recvs_of(rank)
+        shards = plan.rollout_shards_of(rank)
+        self.live = {
+            n: torch.zeros(sh.local_shape, dtype=dtype, device=self.device)
+            for n, sh in shards.items()
+        }
+        self._staging = [
+            torch.zeros(s.numel, dtype=dtype, device=self.device) for s in self.streams
+        ]
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._event = None
+        self.step = 0
+        self.last_stats: SyncStats | None = None
+
+    def start(self) -> None:
+        """Begin receiving the next sync in the background; generation may continue on
+        :attr:`live`.
+
+        Raises:
+            RuntimeError: the previous sync was not switched in yet.
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"rank {self.rank}: start() called twice without switch()")
+        self._stats = SyncStats(self.step, self.wire)
+        self._deadline = time.monotonic() + self.timeout_s
+        self._t0 = time.perf_counter()
+        self._error = None
+        self._thread = threading.Thread(target=self._run, name="weight-sync-recv", daemon=True)
+        self._thread.start()
+
+    def ready(self) -> bool:
+        """Whether every bucket has arrived (``switch()`` would then only copy)."""
+        return self._thread is not None and not self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                stream = torch.cuda.Stream(self.device)
+                with torch.cuda.stream(stream):
+                    self._receive()
+                self._event = stream.record_event()
+            else:
+                self._receive()
+            self._stats.transfer_s = time.perf_counter() - self._t0 - self._stats.wait_s
+            self._stats.done_at = time.time()
+        except BaseException as e:  # re-raised by switch() in the caller's thread
+            self._error = e
+
+    def _receive(self) -> None:
+        st, peer, dl = self._stats, self.peer, self._deadline
+        bucket_lists = [s.buckets(self.plan.bucket_elems) for s in self.streams]
+        headers = []
+        for s, bl in zip(self.streams, bucket_lists):
+            h = torch.empty(2 + 2 * len(bl), dtype=torch.int64, device=self.device)
+            st.header_bytes += h.numel() * h.element_size()
+            headers.append((h, peer.irecv(h, s.src, st)))
+        posted = []
+        for i, (s, bl, (h, work), stage) in enumerate(
+            zip(self.streams, bucket_lists, headers, self._staging)
+        ):
+            peer.wait(work, dl, s.src, "header receive")
+            if i == 0:
+                st.wait_s = time.perf_counter() - self._t0
+            meta = h.view(-1, 2).tolist()
+            for k, ((a, b), (kind, changed)) in enumerate(zip(bl, meta[1:])):
+                st.changed += changed
+                name = ENCODINGS[kind]
+                st.encodings[name] = st.encodings.get(name, 0) + 1
+                n = encoded_nbytes(kind, b - a, changed, stage.element_size())
+                if n == 0:
+                    continue
+                buf = (
+                    stage[a:b].view(torch.uint8)
+                    if kind == FULL
+                    else torch.empty(n, dtype=torch.uint8, device=self.device)
+                )
+                posted.append((s, k, len(bl), a, b, kind, changed, buf, peer.irecv(buf, s.src, st)))
+            st.elems += s.numel
+        for s, k, nb, a, b, kind, changed, buf, work in posted:
+            peer.wait(work, dl, s.src, f"bucket receive {k + 1}/{nb}")
+            if kind != FULL:
+                decode_(self._staging[self.streams.index(s)][a:b], kind, changed, buf)
+        for s, (h, _), stage in zip(self.streams, headers, self._staging):
+            want, got = tuple(h[:2].tolist()), checksum(stage)
+            if want != got:
+                raise WeightSyncError(
+                    f"rank {self.rank}: weight sync checksum from rank {s.src} differs "
+                    f"(sent {want}, received {got}): the rollout shard is not the trainer's"
+                )
+        st.verified = True
+
+    def switch(self) -> SyncStats:
+        """Wait for what is left of the sync started last, then copy it into :attr:`live`.
+
+        Returns:
+            this sync's stats (``pause_s``: the time this call blocked).
+
+        Raises:
+            RuntimeError: no sync started.
+            WeightSyncError: a timeout, a dead sender or a checksum mismatch (rank, peer
+                and phase named); :attr:`live` then still holds the previous weights.
+        """
+        if self._thread is None:
+            raise RuntimeError(f"rank {self.rank}: switch() without start()")
+        t0 = time.perf_counter()
+        self._thread.join(max(self._deadline - time.monotonic(), 0.0) + 5.0)
+        if self._thread.is_alive():  # the thread's own waits have the same deadline
+            raise WeightSyncError(f"rank {self.rank}: weight sync switch timed out")
+        self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        if self._event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._event)
+        for s, stage in zip(self.streams, self._staging):
+            off = 0
+            for p in s.params:
+                dst = self.live[self.plan.specs[p].name]
+                dst.view(-1).copy_(stage[off : off + dst.numel()])
+                off += dst.numel()
+        st = self._stats
+        st.pause_s = time.perf_counter() - t0
+        self.step, self.last_stats = self.step + 1, st
+        return st
