@@ -45,16 +45,16 @@ from verl_ppo.config import PPOConfig, build_config, load_config
 from verl_ppo.data.tasks import Task
 from verl_ppo.distributed import ensure_process_group, environment_findings
 from verl_ppo.experience_maker import ExperienceMaker
+from verl_ppo.fast_path import ModelFacts, layouts, model_config_of, resolve
 from verl_ppo.launch import launch
 from verl_ppo.metrics import get_logger
 from verl_ppo.models import load_tokenizer
 from verl_ppo.monitor import PrometheusMonitor
-from verl_ppo.pipeline.checks import check_pipeline_world, pipeline_degree
 from verl_ppo.report import RunSummary, format_samples
 from verl_ppo.reshard.hybrid import HybridEngine
 from verl_ppo.run_folder import StopRequest
 from verl_ppo.tracking import build_tracking
-from verl_ppo.trainer_build import TrainerBuildMixin, _resolve_dtype
+from verl_ppo.trainer_build import TrainerBuildMixin
 from verl_ppo.trainer_run_dir import TrainerRunDirMixin
 from verl_ppo.trainer_step import SAMPLES_SHOWN, TrainerStepMixin
 
@@ -97,8 +97,9 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
         """Build models, engines, task and reward (collective across ranks)."""
         cfg = self.config
         self._t_setup = time.time()
-        if "WORLD_SIZE" in os.environ:  # layouts against the world, before any group starts
-            check_pipeline_world(cfg, int(os.environ["WORLD_SIZE"]))
+        self.cuda = torch.cuda.is_available()
+        # every auto resolved once, from a weightless copy of the policy, before anything is built
+        self.job = resolve(cfg, self.cuda, ModelFacts.of_config(model_config_of(cfg)))
         self.ctx, self._owns_group = ensure_process_group(cfg)
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.group = self.ctx.group  # data-parallel group: every rank
@@ -106,11 +107,11 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
         if self.rank == 0:
             for line in environment_findings():
                 self.log.warning("environment %s", line)
-        self.cuda = torch.cuda.is_available()
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         )
-        self.dtype = _resolve_dtype(cfg.amp_dtype, self.cuda)
+        self.dtype = self.job.dtype
+        self.layouts = layouts(cfg, self.world, self.job.actor_zero_stage)
         self.d = cfg.derived(self.world)
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed)
@@ -129,7 +130,7 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
         )
         self.reward_model = self._build_reward()
         self.pipeline: Any = None
-        if pipeline_degree(cfg) > 1:  # PP x DP on DeepSpeed's pipeline engine
+        if self.job.pipeline_parallel_size > 1:  # PP x DP on DeepSpeed's pipeline engine
             self._build_pipeline_roles()
         else:
             self._build_roles()
@@ -140,6 +141,7 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
                 self.policy_config,
                 he,
                 self.actor.strategy.layout,  # the layout the engine really runs
+                rollout=self.layouts[1],
                 ctx=self.ctx,
                 recorder=self.recorder,
             )
@@ -156,7 +158,7 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
             timeout_s=self.ctx.timeout_s,
             hybrid=self.hybrid,
             profiler=self.profiler,
-            use_cuda_graph=self.fast.use_cuda_graph,
+            use_cuda_graph=self.job.use_cuda_graph,
         )
         self.monitor = None
         if cfg.monitor.prometheus_port is not None:

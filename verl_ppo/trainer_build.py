@@ -15,31 +15,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_ppo.fast_path import (
-    BUDGET_FRACTION,
-    token_budget_from_free_memory,
-    training_bytes_per_token,
-)
-from verl_ppo.fast_path import resolve as resolve_fast_path
+from verl_ppo.fast_path import with_token_budget
 from verl_ppo.models import (
     build_policy,
     build_value_model,
     check_uniform_dtype,
 )
 from verl_ppo.perf import ModelFlops, device_peaks
-from verl_ppo.pipeline.build import build_pipeline_roles, pipeline_fast_path
+from verl_ppo.pipeline.build import build_pipeline_roles
 from verl_ppo.reward import build_reward_model
 from verl_ppo.reward.base import RewardModel
 from verl_ppo.reward.cache import CachedReward
 from verl_ppo.reward.rule import RuleReward
 from verl_ppo.roles import Actor, Critic, Reference
 from verl_ppo.strategy import DeepSpeedStrategy, ds_config
-
-
-def _resolve_dtype(name: str, cuda: bool) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if cuda else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 class TrainerBuildMixin:
@@ -56,14 +45,13 @@ class TrainerBuildMixin:
         ref_model = copy.deepcopy(policy)
         check_uniform_dtype(policy, self.dtype, "actor")
         self.policy_config = policy.config
-        self.fast = resolve_fast_path(cfg, self.cuda, policy)
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
         # copied before the actor engine exists: ZeRO-3 partitions the policy's parameters
         # in place, and a copy made afterwards holds empty (numel 0) tensors
         value_model = None
         if self.use_critic:
             value_model = build_value_model(policy, self.dtype).to(self.device)
-        if self.fast.torch_compile:  # after every copy: the compiled wrappers are not copied
+        if self.job.torch_compile:  # after every copy: the compiled wrappers are not copied
             from verl_ppo.compiled import compile_decoder_layers
 
             for m in (policy, ref_model, value_model):
@@ -75,9 +63,9 @@ class TrainerBuildMixin:
             world_size=self.world,
             bf16=self.dtype == torch.bfloat16,
         )
-        actor_strategy = self._strategy(cfg.actor, engines_cfg)
+        actor_strategy = self._strategy(cfg.actor, self.job.actor_zero_stage, engines_cfg)
         actor_strategy.init(policy)
-        packing, fused = self.fast.sequence_packing, self.fast.fused_log_probs
+        packing, fused = self.job.sequence_packing, self.job.fused_log_probs
         budget = cfg.train.max_tokens_per_micro_batch
         budget = None if budget == "auto" else budget  # sized below, once the engines exist
         self.actor = Actor(
@@ -100,7 +88,7 @@ class TrainerBuildMixin:
         self.engines: dict[str, DeepSpeedStrategy] = {"actor": actor_strategy}
         self.critic: Critic | None = None
         if value_model is not None:
-            critic_strategy = self._strategy(cfg.critic, engines_cfg)
+            critic_strategy = self._strategy(cfg.critic, self.job.critic_zero_stage, engines_cfg)
             critic_strategy.init(value_model)
             self.critic = Critic(
                 critic_strategy,
@@ -117,7 +105,7 @@ class TrainerBuildMixin:
         if self.rank == 0:
             for name, strategy in self.engines.items():
                 self.log.info("%s engine: %s", name, strategy.describe())
-            for line in self.fast.lines():
+            for line in self.job.lines():
                 self.log.info("fast path: %s", line)
             if self.peaks is None:
                 self.log.info(
@@ -129,10 +117,9 @@ class TrainerBuildMixin:
         and holds its stage only (:mod:`verl_ppo.pipeline`)."""
         cfg = self.config
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
-        roles = build_pipeline_roles(cfg, self.tokenizer, self.dtype, self.world, self.use_critic)
+        roles = build_pipeline_roles(cfg, self.job, self.tokenizer, self.world, self.use_critic)
         self.pipeline = roles
         self.policy_config = roles.hf_config
-        self.fast = pipeline_fast_path(cfg)
         self.actor, self.critic, self.reference = roles.actor, roles.critic, roles.reference
         self.engines = dict(roles.engines)
         self.model_flops = ModelFlops.of(roles.hf_config)
@@ -146,47 +133,31 @@ class TrainerBuildMixin:
 
     def _size_token_budget(self, model_config: Any) -> None:
         """``train.max_tokens_per_micro_batch: auto``: on CUDA, from the memory free now
-        (engines built; the smallest over ranks); the no-grad forwards get 4x (they keep
-        no activations). See :mod:`verl_ppo.fast_path`."""
-        cfg, fp = self.config, self.fast
-        given = cfg.train.max_tokens_per_micro_batch
-        cap = self.d.local_mini_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
-        if given != "auto":
-            fp.max_tokens_per_micro_batch = given
-            fp.reasons["train.max_tokens_per_micro_batch"] = f"{given} (set)"
-        elif not self.cuda:
-            fp.reasons["train.max_tokens_per_micro_batch"] = (
-                f"None (auto: CPU, train.micro_batch_size={self.d.local_micro_batch_size})"
-            )
-        else:
+        (engines built; the smallest over ranks), resolved by
+        :func:`verl_ppo.fast_path.with_token_budget`."""
+        free = None
+        if self.cuda:
             free = torch.cuda.mem_get_info(self.device)[0]
             if self.world > 1:
                 t = torch.tensor([float(free)], dtype=torch.float64, device=self.device)
                 dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
                 free = int(t.item())
-            bpt = training_bytes_per_token(
-                model_config, 2 if self.dtype == torch.bfloat16 else 4,
-                cfg.model.gradient_checkpointing,
-            )  # fmt: skip
-            fp.max_tokens_per_micro_batch = token_budget_from_free_memory(free, bpt, cap)
-            fp.reasons["train.max_tokens_per_micro_batch"] = (
-                f"{fp.max_tokens_per_micro_batch} (auto: {BUDGET_FRACTION} x "
-                f"{free / 2**30:.1f} GiB free / {bpt / 2**20:.2f} MiB per token, at most one "
-                f"mini-batch of {cap})"
-            )
-        if fp.max_tokens_per_micro_batch is not None:
-            fp.max_tokens_no_grad = max(4 * fp.max_tokens_per_micro_batch, cap)
+        self.job = with_token_budget(
+            self.job, self.config, self.d.local_mini_batch_size, free, model_config
+        )
         for role in (self.actor, self.critic, self.reference):
             if role is not None:
-                role.max_tokens = fp.max_tokens_per_micro_batch
-                role.max_tokens_no_grad = fp.max_tokens_no_grad
+                role.max_tokens = self.job.max_tokens_per_micro_batch
+                role.max_tokens_no_grad = self.job.max_tokens_no_grad
 
-    def _strategy(self, role_cfg: Any, engines_cfg: dict[str, Any]) -> DeepSpeedStrategy:
+    def _strategy(
+        self, role_cfg: Any, zero_stage: int, engines_cfg: dict[str, Any]
+    ) -> DeepSpeedStrategy:
         """The DeepSpeed strategy of one role (``actor`` or ``critic`` config section), with
         the job's compression, data-parallel group and deadline."""
         return DeepSpeedStrategy(
             ds_config(
-                zero_stage=role_cfg.zero_stage,
+                zero_stage=zero_stage,
                 grad_clip=role_cfg.optim.grad_clip,
                 offload_optimizer=role_cfg.offload_optimizer,
                 **engines_cfg,
@@ -198,7 +169,7 @@ class TrainerBuildMixin:
             group=self.group,
             timeout_s=self.ctx.timeout_s,
             recorder=self.recorder,
-            fused=self.fast.fused_adamw,
+            fused=self.job.fused_adamw,
         )
 
     def _build_reward(self) -> RewardModel:

@@ -70,7 +70,7 @@ class TrainerStepMixin:
     def _score_tokens(self, exp: Experience, timer: PhaseTimer) -> None:
         """Phases ``old_log_prob``, ``ref`` and (GAE) ``values``: fill ``exp``'s ``(B, R)``
         log-probs under the rollout policy and the reference, and the critic's values."""
-        if self.fast.bypass_old_log_prob:  # see verl_ppo.fast_path.resolve_old_log_prob
+        if self.job.bypass_old_log_prob:  # see verl_ppo.fast_path._old_log_prob
             exp.old_log_prob = exp.rollout_log_prob
         else:
             with timer.phase("old_log_prob"):
@@ -126,7 +126,7 @@ class TrainerStepMixin:
                     exp,
                     self.d.num_mini_batches,
                     cfg.train.ppo_epochs,
-                    on_policy=self.fast.bypass_old_log_prob,
+                    on_policy=self.job.bypass_old_log_prob,
                 )
             )
         return m
@@ -134,14 +134,14 @@ class TrainerStepMixin:
     def _perf_metrics(self, times: dict[str, float], exp: Experience) -> dict[str, float]:
         """The resolved ``auto`` settings (``auto/*``), MFU per model phase
         (``perf/mfu/<phase>``, :mod:`verl_ppo.perf`) and decode tokens/s against its floor."""
-        out = dict(self.fast.metrics())
+        out = dict(self.job.metrics())
         out.update(
             phase_perf(
                 self.model_flops,
                 times,
                 exp.attention_mask.sum(-1),
                 int(exp.response_mask.sum()),
-                self.fast.fused_log_probs,
+                self.job.fused_log_probs,
                 self.config.train.ppo_epochs,
                 self.peaks,
             )

@@ -103,16 +103,18 @@ def test_unknown_task_named():
 
 def test_profiler_steps_and_output_dir_checked_up_front(tmp_path):
     ok = {"enable": True, "steps": [1, 3], "output_dir": str(tmp_path / "new" / "prof")}
-    PPOConfig(train={"num_steps": 3}, profiler=ok)  # numbered as in the log, 1..num_steps
-    with pytest.raises(ValueError, match=r"profiler.steps \[0, 4\] outside 1..train.num_steps=3"):
-        PPOConfig(train={"num_steps": 3}, profiler={**ok, "steps": [0, 2, 4]})
+    build_config(
+        {"train": {"num_steps": 3}, "profiler": ok}
+    )  # numbered as in the log, 1..num_steps
+    with pytest.raises(ConfigError, match=r"profiler.steps \[0, 4\] outside 1..train.num_steps=3"):
+        build_config({"train": {"num_steps": 3}, "profiler": {**ok, "steps": [0, 2, 4]}})
     afile = tmp_path / "afile"
     afile.write_text("x")
-    with pytest.raises(ValueError, match="profiler.output_dir: .* is not a folder"):
-        PPOConfig(profiler={"enable": True, "output_dir": str(afile)})
-    with pytest.raises(ValueError, match="profiler.output_dir: .* cannot be created"):
-        PPOConfig(profiler={"enable": True, "output_dir": str(afile / "sub")})
-    PPOConfig(profiler={"enable": False, "output_dir": str(afile)})  # off: not checked
+    with pytest.raises(ConfigError, match="profiler.output_dir: .* is not a folder"):
+        build_config({"profiler": {"enable": True, "output_dir": str(afile)}})
+    with pytest.raises(ConfigError, match="profiler.output_dir: .* cannot be created"):
+        build_config({"profiler": {"enable": True, "output_dir": str(afile / "sub")}})
+    build_config({"profiler": {"enable": False, "output_dir": str(afile)}})  # off: not checked
 
 
 def test_micro_batch_not_dividing_names_the_divisors():

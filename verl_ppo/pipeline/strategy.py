@@ -73,6 +73,8 @@ class PipelineStrategy:
         timeout_s: timeout of every group the engine creates (``comm.timeout_s``).
         lr, weight_decay, betas: AdamW hyper-parameters; ``lr=None`` builds a frozen engine
             (no optimizer: the reference policy).
+        fused: torch's fused AdamW (None = on CUDA; the trainer passes the resolved
+            ``optim.fused``).
     """
 
     def __init__(
@@ -83,9 +85,11 @@ class PipelineStrategy:
         lr: float | None,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
+        fused: bool | None = None,
     ) -> None:
         self.config, self.pp, self.timeout_s = config, pp, timeout_s
         self.lr, self.weight_decay, self.betas = lr, weight_decay, betas
+        self.fused = torch.cuda.is_available() if fused is None else fused
         self.engine: Any = None
         self.base = "model."
         self.grad_comm = None  # DeepSpeed reduces (compression is refused with PP)
@@ -135,7 +139,7 @@ class PipelineStrategy:
                     lr=self.lr,
                     weight_decay=self.weight_decay,
                     betas=self.betas,
-                    fused=torch.cuda.is_available(),
+                    fused=self.fused,
                 )
             else:
                 for p in module.parameters():
