@@ -201,7 +201,7 @@ def _pp_offload(cfg: Any, f: Facts, role: str) -> str | None:
 
 
 def _pp_tiny(cfg: Any, f: Facts) -> str | None:
-    from verl_ppo.model_dims import LLAMA_FAMILY
+    from verl_ppo.model_family import LLAMA_FAMILY
 
     tiny = cfg.model.tiny
     if tiny is None or tiny.get("model_type", "llama") in LLAMA_FAMILY:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_ppo.model_family import LLAMA_NAMES
 from verl_ppo.reshard.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class PipelineStrategy:
         self.lr, self.weight_decay, self.betas = lr, weight_decay, betas
         self.fused = torch.cuda.is_available() if fused is None else fused
         self.engine: Any = None
-        self.base = "model."
+        self.base = LLAMA_NAMES.base
         self.grad_comm = None  # DeepSpeed reduces (compression is refused with PP)
 
     def init(self, hf_config: Any, source: Any, role: str, loss_fn: Any) -> Any:
@@ -112,7 +113,7 @@ class PipelineStrategy:
 
         from verl_ppo.pipeline.layers import layer_specs, stage_parts
 
-        self.base = "model." if role == "policy" else "backbone."
+        self.base = LLAMA_NAMES.base if role == "policy" else "backbone."
         specs = layer_specs(hf_config, source, role)
         with group_timeout(self.timeout_s):
             deepspeed.init_distributed()  # wraps the existing process group (deepspeed.comm)
