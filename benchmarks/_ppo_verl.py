@@ -141,7 +141,7 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
                 }
             )
         trainer.profiler.stop()
-        out[0]["fast_path"] = trainer.fast.reasons
+        out[0]["fast_path"] = dict(trainer.job.reasons)
         out[0]["numerics"] = numerics
     trainer.close()
     return out

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from verl_ppo.model_family import decoder_layers
+
 log = logging.getLogger("verl_ppo")
 
 
@@ -67,26 +69,6 @@ class CompiledOrEager:
                 "torch.compile of %s failed, running it eagerly: %s", self.__name__, self.failure
             )
             return self.fn(*args)
-
-
-def decoder_layers(model: Any) -> list[torch.nn.Module]:
-    """The repeated decoder layers of a HF causal LM, a HF base model or a
-    :class:`~verl_ppo.roles.critic.ValueModel` (``layers``; GPT-2: ``h``), or ``[]`` when
-    it has none we know."""
-    from verl_ppo.roles.fused_head import decoder_of
-
-    base = getattr(model, "module", model)  # a DeepSpeed engine: its module
-    base = getattr(base, "backbone", base)  # ValueModel: the copied base model
-    for _ in range(2):  # a causal LM -> its base model
-        for name in ("layers", "h"):
-            layers = getattr(base, name, None)
-            if isinstance(layers, torch.nn.ModuleList):
-                return list(layers)
-        try:
-            base = decoder_of(base)
-        except AttributeError:
-            return []
-    return []
 
 
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")

@@ -1,9 +1,12 @@
 """The PPO configuration: one pydantic tree, the single source of defaults.
 
-Loaded from YAML with dotted ``key=value`` overrides (``load_config``). Unknown keys,
-wrong types and impossible combinations fail here, before any process starts, with a
-message naming the field and the fix. Derived sizes (per-rank batch, number of
-mini-batches) are computed once by :meth:`PPOConfig.derived` with an exact-division helper.
+Loaded from YAML with dotted ``key=value`` overrides (``load_config``). Unknown keys and
+wrong types fail here; :func:`build_config` then runs the rules that look past one field
+(:mod:`verl_ppo.rules`, through :func:`verl_ppo.fast_path.check_config`), all before any
+process starts, with a message naming the field and the fix. The schema keeps ``auto`` as
+written: :mod:`verl_ppo.fast_path` resolves it, once per run. Derived sizes (per-rank
+batch, number of mini-batches) are computed once by :meth:`PPOConfig.derived` with an
+exact-division helper.
 
 Compression keys come from :class:`verl_comm.compression.config.CompressionConfig` and the
 hybrid-engine keys from :class:`verl_ppo.reshard.config.HybridEngineConfig`; their defaults
@@ -22,20 +25,16 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
     ValidationError,
-    field_serializer,
     field_validator,
     model_validator,
 )
 
 from verl_comm.compression.config import CompressionConfig
-from verl_ppo.algorithms import POLICY_LOSSES, REWARD_SHAPERS
+from verl_ppo.errors import ConfigError
 from verl_ppo.reshard.config import HybridEngineConfig
 
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message names each bad field and the fix."""
+__all__ = ["ConfigError", "Derived", "PPOConfig", "build_config", "exact_div", "load_config"]
 
 
 class _Strict(BaseModel):
@@ -63,15 +62,6 @@ class ModelConfig(_Strict):
 
 class DataConfig(_Strict):
     """Prompt source: a reasoning-gym task."""
-
-    @field_validator("task")
-    @classmethod
-    def _known_task(cls, v: str) -> str:
-        from verl_ppo.data.tasks import TASKS
-
-        if v not in TASKS:
-            raise ValueError(f"unknown task {v!r}; choose one of {sorted(TASKS)}")
-        return v
 
     task: str = Field(
         "basic_arithmetic", description="basic_arithmetic|chain_sum|countdown|gsm_symbolic"
@@ -147,16 +137,6 @@ class AlgorithmConfig(_Strict):
     )
     kl: KLConfig = Field(default_factory=KLConfig)
 
-    @field_validator("policy_loss", "reward_shaping")
-    @classmethod
-    def _registered(cls, value: str, info: Any) -> str:
-        registry = {"policy_loss": POLICY_LOSSES, "reward_shaping": REWARD_SHAPERS}[info.field_name]
-        if value not in registry:
-            raise ValueError(
-                f"unknown {info.field_name} {value!r}; choose one of {sorted(registry)}"
-            )
-        return value
-
 
 class OptimConfig(_Strict):
     """Optimizer of one role."""
@@ -174,47 +154,13 @@ class ActorModelConfig(_Strict):
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
 
 
-ZERO_STAGE_HELP = (
-    "DeepSpeed ZeRO stage; auto = 1 with CUDA (optimizer state partitioned over the data-"
-    "parallel ranks; on one H200 ZeRO-1 ran the default PPO step 1.29x faster than ZeRO-0, "
-    "benchmarks/results/ppo_throughput_zero_stage.md), 0 on the CPU"
-)
-
-
-def resolve_zero_stage(value: int | str) -> int:
-    """``auto`` -> 1 when CUDA is available (where the trainer runs its engines), else 0."""
-    if value != "auto":
-        return int(value)
-    import torch
-
-    return 1 if torch.cuda.is_available() else 0
-
-
 class _Engine(_Strict):
     """What the actor's and the critic's DeepSpeed engines share."""
 
-    zero_stage: Literal["auto", 0, 1, 2, 3] = Field("auto", description=ZERO_STAGE_HELP)
-    _zero_stage_auto: bool = PrivateAttr(False)
-
-    @model_validator(mode="after")
-    def _resolve_zero_stage(self) -> _Engine:
-        # resolved here, so every later check and the engines see the stage that runs
-        if self.zero_stage == "auto":
-            object.__setattr__(self, "zero_stage", resolve_zero_stage("auto"))
-            self._zero_stage_auto = True
-        return self
-
-    @field_serializer("zero_stage")
-    def _dump_zero_stage(self, value: int) -> int | str:
-        # a dumped config (run_dir/config.yaml, the ranks' copy) keeps what the user wrote
-        return "auto" if self._zero_stage_auto else value
-
-    def zero_stage_reason(self) -> str:
-        """``"<stage> (auto: ...)"`` or ``"<stage> (set)"`` for the start-up report."""
-        if self._zero_stage_auto:
-            where = "CUDA" if self.zero_stage else "CPU"
-            return f"{self.zero_stage} (auto: {where})"
-        return f"{self.zero_stage} (set)"
+    zero_stage: Literal["auto", 0, 1, 2, 3] = Field(
+        "auto",
+        description="DeepSpeed ZeRO stage; auto = 1 with CUDA, 0 on the CPU (verl_ppo.fast_path)",
+    )
 
 
 class ActorConfig(_Engine):
@@ -288,18 +234,6 @@ class TrainConfig(_Strict):
     wandb_mode: Literal["offline", "online", "disabled"] | None = Field(
         None, description="None = $WANDB_MODE if set, else offline (no network by surprise)"
     )
-
-    @field_validator("logger")
-    @classmethod
-    def _loggers_installed(cls, v: list[str]) -> list[str]:
-        from verl_ppo.tracking import missing_backends
-
-        if len(set(v)) != len(v):
-            raise ValueError(f"train.logger lists a backend twice: {v}")
-        problems = missing_backends(v)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return v
 
     fused_log_probs: bool | Literal["auto"] = Field(
         "auto", description="chunked LM head + log-softmax + entropy (no fp32 vocab logits)"
@@ -400,84 +334,6 @@ class PPOConfig(_Strict):
                 comp[k] = v
             data["compression"] = comp
         return data
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> PPOConfig:
-        a, t = self.algorithm, self.train
-        if a.adv_estimator == "grpo" and a.n_samples < 2:
-            raise ValueError(
-                "algorithm.adv_estimator=grpo needs algorithm.n_samples >= 2 "
-                f"(got {a.n_samples}): set algorithm.n_samples=4, or use gae"
-            )
-        if a.kl.use_kl_in_reward and a.kl.use_kl_loss:
-            raise ValueError(
-                "algorithm.kl.use_kl_in_reward and algorithm.kl.use_kl_loss are both true: "
-                "choose one place for the KL term"
-            )
-        if t.rollout_batch_size % a.n_samples:
-            raise ValueError(
-                f"train.rollout_batch_size={t.rollout_batch_size} is not a multiple of "
-                f"algorithm.n_samples={a.n_samples}"
-            )
-        if t.rollout_batch_size % t.ppo_mini_batch_size:
-            raise ValueError(
-                f"train.rollout_batch_size={t.rollout_batch_size} is not a multiple of "
-                f"train.ppo_mini_batch_size={t.ppo_mini_batch_size}"
-            )
-        for role in ("actor", "critic"):
-            rc = getattr(self, role)
-            if not rc.offload_optimizer:
-                continue
-            if rc.zero_stage == 0:
-                raise ValueError(
-                    f"{role}.offload_optimizer=true needs {role}.zero_stage 1, 2 or 3 (DeepSpeed "
-                    f"offloads the ZeRO optimizer state), got 0: set {role}.zero_stage=1"
-                )
-            if self.compression.gradient_compression != "none":
-                raise ValueError(
-                    f"{role}.offload_optimizer=true cannot be combined with "
-                    f"gradient_compression={self.compression.gradient_compression}: with "
-                    "offload, DeepSpeed's ZeRO optimizer copies gradients to the CPU inside its "
-                    "own reduction, so no comm hook can compress them (verl_ppo/grad_comm.py). "
-                    f"Set gradient_compression=none, or {role}.offload_optimizer=false"
-                )
-        from verl_ppo.fast_path import resolve_old_log_prob
-
-        resolve_old_log_prob(self)  # refuses bypass with several epochs / mini-batches
-        if self.actor.zero_stage == 3 and not self.actor.model_config_.hybrid_engine.enable:
-            if self.rollout.use_cuda_graph is True:
-                raise ValueError(
-                    "rollout.use_cuda_graph=true with actor.zero_stage=3 needs the hybrid engine "
-                    "(ZeRO-3 partitions the weights the graph reads): enable "
-                    "actor.model_config.hybrid_engine or set rollout.use_cuda_graph=auto"
-                )
-        if self.actor.zero_stage == 3 and self.train.fused_log_probs is True:
-            raise ValueError(
-                "train.fused_log_probs=true with actor.zero_stage=3: ZeRO-3 partitions the LM "
-                "head weight; set train.fused_log_probs=auto"
-            )
-        from verl_ppo.pipeline.checks import check_pipeline_config
-
-        check_pipeline_config(self)
-        if t.export_critic and a.adv_estimator != "gae":
-            raise ValueError(
-                f"train.export_critic=true but algorithm.adv_estimator={a.adv_estimator} trains "
-                "no critic: set train.export_critic=false"
-            )
-        pr = self.profiler
-        if pr.enable:
-            bad = [s for s in pr.steps if not 1 <= s <= t.num_steps]
-            if bad:
-                raise ValueError(
-                    f"profiler.steps {bad} outside 1..train.num_steps={t.num_steps} (steps are "
-                    "numbered as in the log, from 1): nothing would be profiled there"
-                )
-            from verl_comm.profiler.core import check_output_dir
-
-            problem = check_output_dir(pr.output_dir)
-            if problem:
-                raise ValueError(f"profiler.output_dir: {problem}; pass a writable folder")
-        return self
 
     def derived(self, world_size: int) -> Derived:
         """Per-rank sizes for ``world_size`` data-parallel ranks (exact division).
@@ -606,7 +462,8 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOCon
     dotted paths passed as ``**{"train.num_steps": 3}``; values are Python objects.
 
     Raises:
-        ConfigError: with one line per bad field.
+        ConfigError: with one line per bad field, or the rules of :mod:`verl_ppo.rules`
+            that the config breaks.
     """
     data = dict(data or {})
     for key, value in overrides.items():
@@ -618,9 +475,13 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOCon
         node[parts[-1]] = value
         data = deep_merge(data, nested)
     try:
-        return PPOConfig.model_validate(data)
+        cfg = PPOConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc)) from None
+    from verl_ppo.fast_path import check_config  # the rules read the features' limits
+
+    check_config(cfg)
+    return cfg
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> PPOConfig:

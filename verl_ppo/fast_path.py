@@ -1,61 +1,151 @@
-"""What each ``auto`` setting resolves to on this machine, and why (reported at start and
-as ``auto/<key>`` metrics: 1 = on, 0 = off, or the resolved number).
+"""The job, resolved once: what every ``auto`` setting becomes on this machine for this
+model, and why, as one frozen :class:`ResolvedJob` the rest of the code reads (reported at
+start as ``fast path:`` lines and as ``auto/<key>`` metrics: 1 = on, 0 = off, or the
+resolved number).
 
-``auto`` means "on where supported":
+``auto`` means "on where supported"; what blocks each switch is written once, in
+:data:`verl_ppo.rules.SWITCHES` (an explicit ``true`` that cannot apply is refused with
+the same reason, naming the field and the fix):
 
+- ``actor.zero_stage`` / ``critic.zero_stage``: 1 on CUDA (optimizer state partitioned over
+  the data-parallel ranks; on one H200 ZeRO-1 ran the default PPO step 1.29x faster than
+  ZeRO-0, ``benchmarks/results/ppo_throughput_zero_stage.md``), 0 on the CPU.
+- ``amp_dtype``: bf16 on CUDA, fp32 on the CPU.
 - ``rollout.use_cuda_graph``: on with CUDA when the static-cache decoder supports the model
   (Llama family, GPT-2; default RoPE; no sliding window) and the weights are readable in
-  place (ZeRO 0-2, or the hybrid engine's TP shards at any ZeRO stage). Off on the CPU.
+  place (ZeRO 0-2, or the hybrid engine's TP shards at any ZeRO stage).
 - ``train.sequence_packing``: on when the model's attention runs packed rows as varlen
   kernels (flash-attention); off with sdpa/eager, which would need a dense ``(T, T)`` mask
   per packed row (quadratic in the token budget).
-- ``train.max_tokens_per_micro_batch``: on CUDA, sized from the memory free after the
-  engines are built (:func:`token_budget_from_free_memory`); on the CPU, ``None`` (fixed
-  ``train.micro_batch_size``).
 - ``train.fused_log_probs``: the chunked LM head (:mod:`verl_ppo.roles.fused_head`)
   wherever the head allows it (no bias or logit scaling; not ZeRO-3 partitioned).
-- ``algorithm.old_log_prob``: ``bypass`` with one PPO epoch and one mini-batch, else
-  ``forward`` (see :func:`resolve_old_log_prob`).
 - ``train.torch_compile``: regional ``torch.compile`` of the decoder layers of the actor,
   reference and critic (:mod:`verl_ppo.compiled`) on CUDA; off on the CPU, with ZeRO-3
   (refused if set) and with gradient checkpointing (allowed if set).
 - ``actor.optim.fused`` / ``critic.optim.fused``: torch's fused AdamW on CUDA.
-- ``actor.zero_stage`` / ``critic.zero_stage``: 1 on CUDA, 0 on the CPU (resolved when the
-  config is validated, :func:`verl_ppo.config.resolve_zero_stage`; reported here).
+- ``algorithm.old_log_prob``: ``bypass`` with one PPO epoch and one mini-batch, else
+  ``forward`` (see :func:`resolve`).
+- ``train.max_tokens_per_micro_batch``: on CUDA, sized from the memory free after the
+  engines are built (:func:`with_token_budget`, the one setting resolved after the engines
+  exist); on the CPU, ``None`` (fixed ``train.micro_batch_size``).
 
-An explicit ``true`` that cannot apply is refused (:class:`verl_ppo.config.ConfigError`)
-naming the field and the fix; nothing is silently ignored.
+Pipeline training (``pipeline_parallel_size >= 2``) turns the first four switches and the
+token budget off (fixed-size pipeline micro-batches, the TP rollout model).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
-from verl_ppo.config import ConfigError
+import torch
+
+from verl_ppo.rules import (
+    PP_KEY,
+    SWITCHES,
+    Facts,
+    check,
+    pipeline_degree,
+    several_updates,
+)
 
 
-@dataclass
-class FastPath:
-    """The resolved settings of one run.
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the switches need to know of the policy model (no weights needed).
 
     Attributes:
+        class_name: the model's class.
+        static_decoding: why the static-cache decoder cannot run it (None: it can).
+        fused_head: why the chunked LM head cannot apply (None: it can).
+        decoder_layers: number of repeated decoder layers found (0: none known).
+        attention: HF's attention implementation (``sdpa``, ``eager``, ``flash_attention_2``).
+    """
+
+    class_name: str
+    static_decoding: str | None
+    fused_head: str | None
+    decoder_layers: int
+    attention: str
+
+    @classmethod
+    def of(cls, policy: Any) -> ModelFacts:
+        """The facts of a HF causal LM (a meta-device copy is enough)."""
+        from verl_ppo.model_family import decoder_layers
+        from verl_ppo.roles.fused_head import fused_head_unsupported
+        from verl_ppo.rollout.cuda_graph import static_decoding_unsupported
+
+        return cls(
+            type(policy).__name__,
+            static_decoding_unsupported(policy),
+            fused_head_unsupported(policy),
+            len(decoder_layers(policy)),
+            str(getattr(policy.config, "_attn_implementation", None) or "sdpa"),
+        )
+
+    @classmethod
+    def of_config(cls, model_config: Any) -> ModelFacts:
+        """The facts of the model ``model_config`` builds, from a weightless (meta-device)
+        copy."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return cls.of(AutoModelForCausalLM.from_config(model_config))
+
+
+def model_config_of(cfg: Any) -> Any:
+    """The HF config the run will build its policy from, without loading weights.
+
+    ``model.tiny``: the config built from those fields (vocabulary from the tokenizer, as
+    :func:`verl_ppo.models.build_policy` does); otherwise the folder's ``config.json``.
+
+    Raises:
+        verl_ppo.data.model_store.ModelStoreError: no usable model folder.
+        ValueError: bad ``model.tiny`` fields.
+    """
+    from transformers import AutoConfig
+
+    from verl_ppo.data.model_store import resolve_model_path
+
+    if cfg.model.tiny is not None:
+        from verl_ppo.models import _tiny_config, load_tokenizer
+
+        return _tiny_config(cfg.model, load_tokenizer(cfg.model))
+    return AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """Every ``auto`` of one run, resolved; read everywhere, never re-decided.
+
+    Attributes:
+        cuda: the run is on CUDA (the device every ``auto`` was judged against).
+        actor_zero_stage, critic_zero_stage: the ZeRO stages the engines run.
+        dtype: parameter/compute dtype of every module (``amp_dtype``).
+        pipeline_parallel_size: PP degree of the actor's training layout (1 = data parallel).
         use_cuda_graph, sequence_packing, fused_log_probs, bypass_old_log_prob, fused_adamw,
         torch_compile: the resolved switches.
         max_tokens_per_micro_batch: the training token budget (None = fixed micro-batches).
         max_tokens_no_grad: the budget of the no-grad forwards (ref, values, old_log_prob).
-        reasons: ``{config key: "value (why)"}`` for the log.
+        reasons: ``{config key: "value (why)"}`` for the log, in resolution order.
     """
 
-    use_cuda_graph: bool = False
-    sequence_packing: bool = False
-    fused_log_probs: bool = False
-    bypass_old_log_prob: bool = False
-    fused_adamw: bool = False
-    torch_compile: bool = False
+    cuda: bool
+    actor_zero_stage: int
+    critic_zero_stage: int
+    dtype: torch.dtype
+    pipeline_parallel_size: int
+    use_cuda_graph: bool
+    sequence_packing: bool
+    fused_log_probs: bool
+    bypass_old_log_prob: bool
+    fused_adamw: bool
+    torch_compile: bool
     max_tokens_per_micro_batch: int | None = None
     max_tokens_no_grad: int | None = None
-    reasons: dict[str, str] = field(default_factory=dict)
+    reasons: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     def metrics(self) -> dict[str, float]:
         """``auto/<key>`` metrics (1/0 for switches, tokens for budgets, 0 = none)."""
@@ -70,22 +160,100 @@ class FastPath:
         }
 
     def lines(self) -> list[str]:
-        """One ``key = value (why)`` line per setting."""
+        """One ``key = value (why)`` line per setting (the start-up ``fast path:`` lines)."""
         return [f"{k} = {v}" for k, v in self.reasons.items()]
 
 
-def _switch(value: Any, supported: str | None, key: str, fix: str) -> tuple[bool, str]:
-    """Resolve ``auto``/bool against ``supported`` (None = supported, else the reason)."""
-    if value == "auto":
-        return (supported is None), (
-            "on (auto)" if supported is None else f"off (auto: {supported})"
+def resolve_stages(cfg: Any, cuda: bool) -> tuple[int, int, dict[str, str]]:
+    """``actor.zero_stage`` and ``critic.zero_stage`` (``auto``: 1 on CUDA, 0 on the CPU),
+    with their reasons."""
+    out, reasons = [], {}
+    for role in ("actor", "critic"):
+        value = getattr(cfg, role).zero_stage
+        stage = (1 if cuda else 0) if value == "auto" else int(value)
+        where = "CUDA" if cuda else "CPU"
+        reasons[f"{role}.zero_stage"] = (
+            f"{stage} (auto: {where})" if value == "auto" else f"{stage} (set)"
         )
-    if value and supported is not None:
-        raise ConfigError(f"{key}=true cannot apply: {supported}; {fix}")
+        out.append(stage)
+    return out[0], out[1], reasons
+
+
+def check_config(cfg: Any) -> None:
+    """The rule tables (:mod:`verl_ppo.rules`) for a config being built: ZeRO stages
+    resolved for this machine; the device and the model are judged later (preflight, the
+    trainer), so a config can be written on a machine that will not run it.
+
+    Raises:
+        verl_ppo.errors.ConfigError: every broken rule, naming the keys and the fix.
+    """
+    actor, critic, _ = resolve_stages(cfg, torch.cuda.is_available())
+    check(cfg, Facts(actor, critic))
+
+
+def _switch(value: Any, why: str | None) -> tuple[bool, str]:
+    """``auto``/bool against ``why`` (None = supported); explicit ``true`` against a
+    reason was refused by :func:`verl_ppo.rules.check`."""
+    if value == "auto":
+        return why is None, ("on (auto)" if why is None else f"off (auto: {why})")
     return bool(value), ("on" if value else "off") + " (set)"
 
 
-def resolve_old_log_prob(cfg: Any) -> tuple[bool, str]:
+def resolve(cfg: Any, cuda: bool, model: Any) -> ResolvedJob:
+    """Resolve every ``auto`` of ``cfg`` but the token budget (see :func:`with_token_budget`).
+
+    Args:
+        cfg: the :class:`~verl_ppo.config.PPOConfig`.
+        cuda: the run is on CUDA.
+        model: the policy (a HF causal LM, or a meta-device copy) or its
+            :class:`ModelFacts` (:meth:`ModelFacts.of_config`).
+
+    Raises:
+        verl_ppo.errors.ConfigError: a broken rule, or an explicit setting that cannot
+            apply (message names field and fix).
+    """
+    facts_model = model if isinstance(model, ModelFacts) else ModelFacts.of(model)
+    actor, critic, reasons = resolve_stages(cfg, cuda)
+    if cfg.algorithm.adv_estimator != "gae":
+        del reasons["critic.zero_stage"]
+    facts = Facts(actor, critic, cuda, facts_model)
+    check(cfg, facts)
+    on: dict[str, bool] = {}
+    for s in SWITCHES:
+        value = s.value(cfg)
+        on[s.key], reasons[s.key] = _switch(value, s.blocked(cfg, facts, value == "auto"))
+    if on["rollout.use_cuda_graph"]:
+        reasons["rollout.use_cuda_graph"] += (
+            "; RMSNorm, RoPE and SiLU-mul of the decode step fused by torch.compile "
+            "(eager if compilation fails, logged)"
+        )
+    if on["train.torch_compile"]:
+        reasons["train.torch_compile"] += (
+            f"; {facts_model.decoder_layers} decoder layers, compiled at their first forward"
+        )
+    bypass, reasons["algorithm.old_log_prob"] = _old_log_prob(cfg)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.amp_dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if cuda else torch.float32
+    given = cfg.train.max_tokens_per_micro_batch
+    return ResolvedJob(
+        cuda=cuda,
+        actor_zero_stage=actor,
+        critic_zero_stage=critic,
+        dtype=dtype,
+        pipeline_parallel_size=pipeline_degree(cfg),
+        use_cuda_graph=on["rollout.use_cuda_graph"],
+        sequence_packing=on["train.sequence_packing"],
+        fused_log_probs=on["train.fused_log_probs"],
+        bypass_old_log_prob=bypass,
+        fused_adamw=on["actor.optim.fused"] and on["critic.optim.fused"],
+        torch_compile=on["train.torch_compile"],
+        max_tokens_per_micro_batch=None if given == "auto" else given,
+        reasons=MappingProxyType(reasons),
+    )
+
+
+def _old_log_prob(cfg: Any) -> tuple[bool, str]:
     """Whether the old-log-prob forward is bypassed.
 
     With one PPO epoch and one mini-batch the policy is updated once, after the only
@@ -94,111 +262,79 @@ def resolve_old_log_prob(cfg: Any) -> tuple[bool, str]:
     before the update, then uses the rollout's log-probs: the sampler's
     ``log_softmax(logits / T)`` of the same weights (bf16 decode instead of the training
     forward; verl calls using the rollout's log-probs as old log-probs bypass mode).
+    ``bypass`` with several updates is refused by :data:`verl_ppo.rules.RULES`.
+    """
+    mode, why = cfg.algorithm.old_log_prob, several_updates(cfg)
+    if mode != "auto":
+        return mode == "bypass", f"{mode} (set)"
+    if why is None:
+        return True, "bypass (auto: one epoch, one mini-batch)"
+    return False, f"forward (auto: {why})"
+
+
+def layouts(cfg: Any, world_size: int, actor_zero_stage: int) -> tuple[Any, Any] | None:
+    """The hybrid engine's training and rollout layouts for ``world_size`` ranks (None when
+    it is off), after checking the batch sizes against the ranks, and against the ranks of
+    one pipeline when the actor trains pipeline-parallel. The one place the layouts are
+    derived from the config; :func:`verl_ppo.preflight.preflight` checks them against the
+    model.
 
     Raises:
-        ConfigError: ``bypass`` with several epochs or mini-batches (the ratio would be 1
-            where it must not be).
+        ValueError / verl_ppo.errors.ConfigError: naming the numbers and the fields.
     """
-    t, mode = cfg.train, cfg.algorithm.old_log_prob
-    one = t.ppo_epochs == 1 and t.rollout_batch_size == t.ppo_mini_batch_size
-    why = (
-        None
-        if one
-        else f"ppo_epochs={t.ppo_epochs}, {t.rollout_batch_size // t.ppo_mini_batch_size} mini-batches"
-    )
-    if mode == "bypass" and not one:
-        raise ConfigError(
-            f"algorithm.old_log_prob=bypass needs one PPO epoch and one mini-batch ({why}); "
-            "set algorithm.old_log_prob=forward or auto"
-        )
-    if mode == "forward":
-        return False, "forward (set)"
-    if mode == "bypass":
-        return True, "bypass (set)"
-    return one, ("bypass (auto: one epoch, one mini-batch)" if one else f"forward (auto: {why})")
+    cfg.derived(world_size)  # rollout: every rank generates its share
+    he = cfg.actor.model_config_.hybrid_engine
+    if not he.enable:
+        return None
+    train, rollout = he.layouts(world_size, actor_zero_stage)
+    if train.pp > 1:
+        cfg.derived(train.dp)  # training: per pipeline
+    return train, rollout
 
 
-def resolve(cfg: Any, cuda: bool, policy: Any) -> FastPath:
-    """Resolve every ``auto`` except the token budget (which needs the engines built).
+def with_token_budget(
+    job: ResolvedJob, cfg: Any, local_mini_batch: int, free_bytes: int | None, model_config: Any
+) -> ResolvedJob:
+    """``train.max_tokens_per_micro_batch``, resolved once the engines exist.
 
     Args:
-        cfg: the :class:`~verl_ppo.config.PPOConfig`.
-        cuda: the run is on CUDA.
-        policy: the HF policy model (before DeepSpeed wraps it).
+        job: the job :func:`resolve` returned.
+        cfg: the config.
+        local_mini_batch: sequences per mini-batch on this rank.
+        free_bytes: GPU memory free now, the smallest over ranks (None on the CPU).
+        model_config: the policy's HF config (activation bytes per token).
 
-    Raises:
-        ConfigError: an explicit setting that cannot apply (message names field and fix).
+    Returns:
+        The job with the training budget and the no-grad forwards' budget (4x: they keep
+        no activations, at least one mini-batch) and the reason.
     """
-    from verl_ppo.compiled import decoder_layers, torch_compile_unsupported
-    from verl_ppo.roles.fused_head import fused_head_unsupported
-    from verl_ppo.rollout.cuda_graph import static_decoding_unsupported
-
-    fp = FastPath()
-    fp.reasons["actor.zero_stage"] = cfg.actor.zero_stage_reason()
-    if cfg.algorithm.adv_estimator == "gae":
-        fp.reasons["critic.zero_stage"] = cfg.critic.zero_stage_reason()
-    hybrid = cfg.actor.model_config_.hybrid_engine.enable
-    why_graph = None if cuda else "no CUDA device"
-    if why_graph is None:
-        why_graph = static_decoding_unsupported(policy)
-    if why_graph is None and cfg.actor.zero_stage == 3 and not hybrid:
-        why_graph = "ZeRO-3 partitions the weights the graph reads (enable the hybrid engine)"
-    fp.use_cuda_graph, fp.reasons["rollout.use_cuda_graph"] = _switch(
-        cfg.rollout.use_cuda_graph, why_graph, "rollout.use_cuda_graph", "set it to auto or false"
-    )
-    if fp.use_cuda_graph:
-        fp.reasons["rollout.use_cuda_graph"] += (
-            "; RMSNorm, RoPE and SiLU-mul of the decode step fused by torch.compile "
-            "(eager if compilation fails, logged)"
+    given = cfg.train.max_tokens_per_micro_batch
+    cap = local_mini_batch * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    budget = None if given == "auto" else given
+    if job.pipeline_parallel_size > 1:
+        why = f"None ({PP_KEY}={job.pipeline_parallel_size}: fixed-size pipeline micro-batches)"
+    elif given != "auto":
+        why = f"{given} (set)"
+    elif free_bytes is None:
+        micro = min(cfg.train.micro_batch_size, local_mini_batch)
+        why = f"None (auto: CPU, train.micro_batch_size={micro})"
+    else:
+        bpt = training_bytes_per_token(
+            model_config, 2 if job.dtype == torch.bfloat16 else 4, cfg.model.gradient_checkpointing
         )
-    attn = getattr(policy.config, "_attn_implementation", None) or "sdpa"
-    why_pack = (
-        None
-        if "flash" in str(attn)
-        else (
-            f"attention is {attn}: a packed row needs a dense (T, T) mask; flash-attention runs it varlen"
+        budget = token_budget_from_free_memory(free_bytes, bpt, cap)
+        why = (
+            f"{budget} (auto: {BUDGET_FRACTION} x {free_bytes / 2**30:.1f} GiB free / "
+            f"{bpt / 2**20:.2f} MiB per token, at most one mini-batch of {cap})"
         )
+    no_grad = None if budget is None else max(4 * budget, cap)
+    reasons = {**job.reasons, "train.max_tokens_per_micro_batch": why}
+    return dataclasses.replace(
+        job,
+        max_tokens_per_micro_batch=budget,
+        max_tokens_no_grad=no_grad,
+        reasons=MappingProxyType(reasons),
     )
-    if cfg.train.sequence_packing is True:
-        why_pack = None  # works with any attention (dense mask), chosen by the user
-    fp.sequence_packing, fp.reasons["train.sequence_packing"] = _switch(
-        cfg.train.sequence_packing, why_pack, "train.sequence_packing", "set it to auto"
-    )
-    why_head = fused_head_unsupported(policy)
-    if why_head is None and (cfg.actor.zero_stage == 3):
-        why_head = "ZeRO-3 partitions the LM head weight"
-    fp.fused_log_probs, fp.reasons["train.fused_log_probs"] = _switch(
-        cfg.train.fused_log_probs, why_head, "train.fused_log_probs", "set it to auto or false"
-    )
-    fp.bypass_old_log_prob, fp.reasons["algorithm.old_log_prob"] = resolve_old_log_prob(cfg)
-    why_compile = torch_compile_unsupported(cuda, policy)
-    stages = {cfg.actor.zero_stage}
-    if cfg.algorithm.adv_estimator == "gae":
-        stages.add(cfg.critic.zero_stage)
-    if why_compile is None and 3 in stages:
-        why_compile = (
-            "ZeRO-3 gathers each layer's parameters in module hooks, which the compiled "
-            "layer call would trace (not supported here)"
-        )
-    if (
-        why_compile is None
-        and cfg.model.gradient_checkpointing
-        and cfg.train.torch_compile == "auto"
-    ):
-        why_compile = "model.gradient_checkpointing (compiled recomputation not measured here)"
-    fp.torch_compile, fp.reasons["train.torch_compile"] = _switch(
-        cfg.train.torch_compile, why_compile, "train.torch_compile", "set it to auto or false"
-    )
-    if fp.torch_compile:
-        fp.reasons["train.torch_compile"] += (
-            f"; {len(decoder_layers(policy))} decoder layers, compiled at their first forward"
-        )
-    fused = {cfg.actor.optim.fused, cfg.critic.optim.fused}
-    why_adam = None if cuda else "no CUDA device (foreach AdamW)"
-    res = [_switch(v, why_adam, "optim.fused", "set it to auto or false") for v in fused]
-    fp.fused_adamw = all(r[0] for r in res)
-    fp.reasons["optim.fused (AdamW)"] = ", ".join(r[1] for r in res)
-    return fp
 
 
 def training_bytes_per_token(model_config: Any, dtype_bytes: int, checkpointing: bool) -> int:

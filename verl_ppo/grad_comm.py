@@ -58,6 +58,12 @@ from verl_comm.reducer import BucketedReducer, make_reducer
 from verl_comm.telemetry import CommRecorder
 
 SUPPORTED_STAGES = (0, 1)
+"""ZeRO stages whose gradients a hook can compress (the config rule, :mod:`verl_ppo.rules`,
+and :func:`attach_grad_comm` read this)."""
+UNSUPPORTED_STAGE_REASON = (
+    "ZeRO-2/3 reduce-scatter each gradient inside their own backward hooks, leaving no full "
+    "gradient to compress"
+)
 
 
 class GradCommHandle:
@@ -147,9 +153,8 @@ def _check_supported(engine: Any, config: CompressionConfig) -> int:
     stage = int(engine.zero_optimization_stage())
     if stage not in SUPPORTED_STAGES:
         raise ValueError(
-            f"{what} needs DeepSpeed ZeRO stage 0 or 1, got stage {stage}: ZeRO-2/3 "
-            "reduce-scatter each gradient inside their own backward hooks, leaving no full "
-            "gradient to compress. Fix: set zero_optimization.stage to 1, or "
+            f"{what} needs DeepSpeed ZeRO stage 0 or 1, got stage {stage}: "
+            f"{UNSUPPORTED_STAGE_REASON}. Fix: set zero_optimization.stage to 1, or "
             "gradient_compression: none to keep DeepSpeed's reduction."
         )
     if getattr(engine, "pipeline_parallelism", False):

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-LLAMA_FAMILY = ("llama", "qwen2", "mistral")
-"""``model_type`` values with separate q/k/v/o and gate/up/down projections, RMSNorm, RoPE."""
+from verl_ppo.model_family import LLAMA_FAMILY
 
 
 @dataclass(frozen=True)

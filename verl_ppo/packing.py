@@ -184,7 +184,8 @@ def packed_log_probs(
     src = pb.src_index[keep]  # their flat (b*L + l) index; the target is at src + 1
     targets = input_ids.reshape(-1)[src + 1]
     if fused:
-        from verl_ppo.roles.fused_head import chunked_head_log_probs, decoder_of, head_weight
+        from verl_ppo.model_family import decoder_of
+        from verl_ppo.roles.fused_head import chunked_head_log_probs, head_weight
 
         h = decoder_of(model)(
             input_ids=pb.input_ids,

@@ -12,12 +12,12 @@ mistake costs seconds, not a model load on every rank:
   the hybrid engine on, its heads, KV heads, intermediate size, vocabulary and layers
   against the training and rollout layouts (the same
   :func:`verl_ppo.reshard.engine.build_plan` checks the engine runs later);
-- the fast-path switches (``rollout.use_cuda_graph``, ``train.sequence_packing``, ...) set
-  explicitly where they cannot apply (no CUDA device, an unsupported model);
-- the communication setup: ``comm.backend`` against this machine, gradient compression
-  against each trained role's ZeRO stage (the hooks need stage 0 or 1,
-  :mod:`verl_ppo.grad_comm`), ``reward.model``'s spec, and that ``comm.master_port`` and
-  ``monitor.prometheus_port`` are free.
+- the rule tables of :mod:`verl_ppo.rules` (the same that every built config passed), now
+  with this machine and the model known: the fast-path switches (``rollout.use_cuda_graph``,
+  ``train.sequence_packing``, ...) set explicitly where they cannot apply (no CUDA device,
+  an unsupported model), through :func:`verl_ppo.fast_path.resolve`, the trainer's resolver;
+- the communication setup: ``comm.backend`` against this machine, ``reward.model``'s spec,
+  and that ``comm.master_port`` and ``monitor.prometheus_port`` are free.
 
 Every failure is a :class:`PreflightError` whose message names the field and the fix.
 """
@@ -26,80 +26,57 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_ppo.config import ConfigError, PPOConfig
+import torch
+
+from verl_ppo.config import PPOConfig
+from verl_ppo.errors import ConfigError
+from verl_ppo.fast_path import ModelFacts, layouts, model_config_of, resolve, resolve_stages
 
 
 class PreflightError(ValueError):
     """A configuration that cannot run; the message names the field and the fix."""
 
 
-def model_config_of(cfg: PPOConfig) -> Any:
-    """The HF config the run will build its policy from, without loading weights.
-
-    ``model.tiny``: the config built from those fields (vocabulary from the tokenizer, as
-    :func:`verl_ppo.models.build_policy` does); otherwise the folder's ``config.json``.
-
-    Raises:
-        verl_ppo.data.model_store.ModelStoreError: no usable model folder.
-        ValueError: bad ``model.tiny`` fields.
-    """
-    from transformers import AutoConfig
-
-    from verl_ppo.data.model_store import resolve_model_path
-
-    if cfg.model.tiny is not None:
-        from verl_ppo.models import _tiny_config, load_tokenizer
-
-        return _tiny_config(cfg.model, load_tokenizer(cfg.model))
-    return AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
-
-
 def check_hybrid_engine(cfg: PPOConfig, world_size: int, model_config: Any) -> None:
     """Training and rollout layouts of ``actor.model_config.hybrid_engine`` against the
-    world size and the model's dimensions (no-op when the hybrid engine is off).
+    world size and the model's dimensions (no-op when the hybrid engine is off): the
+    layouts of :func:`verl_ppo.fast_path.layouts`, checked by the same
+    :func:`verl_ppo.reshard.engine.build_plan` the engine runs later.
 
     Raises:
         PreflightError: naming ``actor.model_config.hybrid_engine.<...>`` and the degrees
             the model allows.
     """
-    he = cfg.actor.model_config_.hybrid_engine
-    if not he.enable:
-        return
     from verl_ppo.reshard.engine import build_plan
 
-    ts = he.training_sharding.model_copy(update={"zero_stage": cfg.actor.zero_stage})
-    he = he.model_copy(update={"training_sharding": ts})
+    stage, _, _ = resolve_stages(cfg, torch.cuda.is_available())
     prefix = "actor.model_config.hybrid_engine."
     try:
-        train, rollout = he.layouts(world_size)
-        build_plan(model_config, train, rollout, world_size, choose_placement=False)
+        found = layouts(cfg, world_size, stage)
+        if found is not None:
+            build_plan(model_config, *found, world_size, choose_placement=False)
+    except ConfigError as exc:
+        raise PreflightError(str(exc)) from None
     except ValueError as exc:
         raise PreflightError(f"{prefix}{exc}") from None
 
 
 def check_fast_path(cfg: PPOConfig, model_config: Any) -> None:
-    """The ``auto``/explicit fast-path settings (:func:`verl_ppo.fast_path.resolve`) against
-    this machine and the model, on a weightless (meta-device) copy of the policy.
+    """The rules and every ``auto`` (:func:`verl_ppo.fast_path.resolve`) against this
+    machine and the model, on a weightless (meta-device) copy of the policy.
 
     Raises:
-        PreflightError: an explicit setting that cannot apply (e.g. ``rollout.use_cuda_graph:
-            true`` without CUDA), naming the field and the fix.
+        PreflightError: a broken rule or an explicit setting that cannot apply (e.g.
+            ``rollout.use_cuda_graph: true`` without CUDA), naming the field and the fix.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from verl_ppo.fast_path import resolve
-
-    with torch.device("meta"):
-        policy = AutoModelForCausalLM.from_config(model_config)
     try:
-        resolve(cfg, torch.cuda.is_available(), policy)
+        resolve(cfg, torch.cuda.is_available(), ModelFacts.of_config(model_config))
     except ConfigError as exc:
         raise PreflightError(str(exc)) from None
 
 
 def check_comm(cfg: PPOConfig) -> None:
-    """Backend, compression vs ZeRO stage, reward spec (no process group needed).
+    """Backend against this machine and the reward spec (no process group needed).
 
     Raises:
         PreflightError: naming the field and the fix.
@@ -107,24 +84,12 @@ def check_comm(cfg: PPOConfig) -> None:
     from pathlib import Path
 
     from verl_ppo.distributed import resolve_backend
-    from verl_ppo.grad_comm import SUPPORTED_STAGES
     from verl_ppo.reward.factory import SPECS
 
     try:
         resolve_backend(cfg.comm.backend)
     except RuntimeError as exc:
         raise PreflightError(str(exc)) from None
-    method = cfg.compression.gradient_compression
-    roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else [])
-    for role in roles:
-        stage = getattr(cfg, role).zero_stage
-        if method != "none" and stage not in SUPPORTED_STAGES:
-            raise PreflightError(
-                f"gradient_compression={method} needs {role}.zero_stage 0 or 1, got {stage}: "
-                "ZeRO-2/3 reduce-scatter each gradient inside their own backward hooks, "
-                f"leaving no full gradient to compress; set {role}.zero_stage=1, or "
-                "gradient_compression=none"
-            )
     spec = cfg.reward.model
     if not (
         spec in ("rule", "minilm")

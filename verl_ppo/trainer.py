@@ -15,12 +15,12 @@ The trainer holds one :class:`~verl_comm.distributed.DistContext` and passes its
 communicates: the gradient reducers, the metric and evaluation reductions, the reward
 (waiting for async scores, a remote reward's deadline) and the checkpoint barriers.
 
-This module holds the public API (construction, :meth:`PPOTrainer.setup`,
-:meth:`PPOTrainer.run`, :meth:`PPOTrainer.close`, launching the ranks from a plain process);
-the class's other parts are mixins, one idea each: :mod:`verl_ppo.trainer_build` (roles,
-engines, token budget, reward), :mod:`verl_ppo.trainer_step` (the step's phases, metric
-reduction, evaluation) and :mod:`verl_ppo.trainer_run_dir` (run folder claim and metadata,
-checkpoint save/resume, HF export).
+:class:`PPOTrainer` reads as setup / run / close. :meth:`~PPOTrainer.setup` resolves the
+job once (:func:`verl_ppo.fast_path.resolve`) and composes three parts, each given what it
+needs in its constructor: :class:`~verl_ppo.trainer_build.Workers` (roles, strategies,
+hybrid engine, reward), :class:`~verl_ppo.trainer_step.PPOStep` (experience, scoring,
+advantages, update, evaluation) and :class:`~verl_ppo.trainer_run_dir.RunFolder` (claim,
+checkpoints, resume, export). This module also launches the ranks from a plain process.
 """
 
 from __future__ import annotations
@@ -40,28 +40,26 @@ from tqdm import tqdm
 from verl_comm.profiler import VerlProfiler
 from verl_comm.telemetry import CommRecorder
 from verl_ppo.algorithms import make_kl_controller
-from verl_ppo.checkpoint import CheckpointManager
 from verl_ppo.config import PPOConfig, build_config, load_config
 from verl_ppo.data.tasks import Task
 from verl_ppo.distributed import ensure_process_group, environment_findings
 from verl_ppo.experience_maker import ExperienceMaker
+from verl_ppo.fast_path import ModelFacts, layouts, model_config_of, resolve
 from verl_ppo.launch import launch
 from verl_ppo.metrics import get_logger
 from verl_ppo.models import load_tokenizer
 from verl_ppo.monitor import PrometheusMonitor
-from verl_ppo.pipeline.checks import check_pipeline_world, pipeline_degree
 from verl_ppo.report import RunSummary, format_samples
-from verl_ppo.reshard.hybrid import HybridEngine
 from verl_ppo.run_folder import StopRequest
 from verl_ppo.tracking import build_tracking
-from verl_ppo.trainer_build import TrainerBuildMixin, _resolve_dtype
-from verl_ppo.trainer_run_dir import TrainerRunDirMixin
-from verl_ppo.trainer_step import SAMPLES_SHOWN, TrainerStepMixin
+from verl_ppo.trainer_build import Workers
+from verl_ppo.trainer_run_dir import RunFolder
+from verl_ppo.trainer_step import SAMPLES_SHOWN, PPOStep
 
 __all__ = ["PPOTrainer", "SAMPLES_SHOWN"]
 
 
-class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
+class PPOTrainer:
     """PPO on a causal LM with DeepSpeed actor/critic engines.
 
     Args:
@@ -77,6 +75,11 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
     rank of that group. A world of one rank with ``gradient_compression`` set warns that
     nothing is communicated.
 
+    After :meth:`setup`, the parts' products are readable here: ``actor``, ``critic``,
+    ``reference``, ``engines``, ``pipeline``, ``hybrid``, ``policy_config`` (from the
+    workers), ``experience_maker``, ``tokenizer``, ``task``, ``profiler``, ``ctx``,
+    ``world``, ``d`` and ``job`` (the :class:`~verl_ppo.fast_path.ResolvedJob`).
+
     Raises:
         verl_ppo.config.ConfigError: invalid configuration (before any process group).
     """
@@ -91,30 +94,36 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.stopped_by = 0  # the signal that stopped the last run (0 = none)
+        self.workers: Workers | None = None
+        self.ppo_step: PPOStep | None = None
+        self.run_folder: RunFolder | None = None
+        self.experience_maker: ExperienceMaker | None = None
+        self.monitor: PrometheusMonitor | None = None
+        self.tracking: Any = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        """Build models, engines, task and reward (collective across ranks)."""
+        """Resolve the job, build workers, step and run folder (collective across ranks)."""
         cfg = self.config
         self._t_setup = time.time()
-        if "WORLD_SIZE" in os.environ:  # layouts against the world, before any group starts
-            check_pipeline_world(cfg, int(os.environ["WORLD_SIZE"]))
+        # every auto resolved once, from a weightless copy of the policy, before anything
+        # is built; explicit settings that cannot apply fail here, before any group starts
+        self.job = resolve(
+            cfg, torch.cuda.is_available(), ModelFacts.of_config(model_config_of(cfg))
+        )
         self.ctx, self._owns_group = ensure_process_group(cfg)
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
-        self.group = self.ctx.group  # data-parallel group: every rank
         self.log = get_logger(self.rank)
-        if self.rank == 0:
-            for line in environment_findings():
-                self.log.warning("environment %s", line)
-        self.cuda = torch.cuda.is_available()
+        self._report_environment()
         self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+            torch.device("cuda", torch.cuda.current_device())
+            if self.job.cuda
+            else torch.device("cpu")
         )
-        self.dtype = _resolve_dtype(cfg.amp_dtype, self.cuda)
+        rollout_layout = (layouts(cfg, self.world, self.job.actor_zero_stage) or (None, None))[1]
         self.d = cfg.derived(self.world)
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed)
-
         self.recorder = CommRecorder()
         self.profiler = VerlProfiler.from_config(
             cfg.profiler, recorder=self.recorder, rank=self.rank
@@ -127,67 +136,129 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
             seed=cfg.seed,
             overrides=cfg.data.task_kwargs,
         )
-        self.reward_model = self._build_reward()
-        self.pipeline: Any = None
-        if pipeline_degree(cfg) > 1:  # PP x DP on DeepSpeed's pipeline engine
-            self._build_pipeline_roles()
-        else:
-            self._build_roles()
-        self.hybrid = None
-        he = cfg.actor.model_config_.hybrid_engine
-        if he.enable:
-            self.hybrid = HybridEngine.build(
-                self.policy_config,
-                he,
-                self.actor.strategy.layout,  # the layout the engine really runs
-                ctx=self.ctx,
-                recorder=self.recorder,
-            )
+        w = self.workers = Workers(
+            cfg, self.job, self.ctx, self.device, self.d, self.tokenizer, self.task,
+            self.recorder, self.log, rollout_layout,
+        )  # fmt: skip
+        self.job = w.job  # with the token budget, resolved once the engines exist
         self.experience_maker = ExperienceMaker(
-            cfg,
-            self.d,
-            self.tokenizer,
-            self.task,
-            self.actor,
-            self.reward_model,
-            rank=self.rank,
-            world_size=self.world,
-            device=self.device,
-            timeout_s=self.ctx.timeout_s,
-            hybrid=self.hybrid,
-            profiler=self.profiler,
-            use_cuda_graph=self.fast.use_cuda_graph,
-        )
-        self.monitor = None
-        if cfg.monitor.prometheus_port is not None:
-            self.monitor = PrometheusMonitor(
-                cfg.monitor.prometheus_port,
-                cfg.monitor.prometheus_host,
-                rank=self.rank,
-                device=self.device,
-            )
-            if self.rank == 0:
-                self.log.info("prometheus metrics on %s", self.monitor.url)
+            cfg, self.d, self.tokenizer, self.task, w.actor, w.reward, rank=self.rank,
+            world_size=self.world, device=self.device, timeout_s=self.ctx.timeout_s,
+            hybrid=w.hybrid, profiler=self.profiler, use_cuda_graph=self.job.use_cuda_graph,
+        )  # fmt: skip
+        self.monitor = self._build_monitor()
         kl = cfg.algorithm.kl
         self.kl_ctrl = make_kl_controller(kl.controller, kl.kl_coef, kl.target_kl, kl.horizon)
-        self._claim_run_dir()
-        keep = cfg.train.keep_last_checkpoints
+        grad_comm = w.grad_comm()
+        self.ppo_step = PPOStep(
+            cfg, self.job, self.d, self.ctx, actor=w.actor, critic=w.critic,
+            reference=w.reference, experience_maker=self.experience_maker,
+            kl_ctrl=self.kl_ctrl, tokenizer=self.tokenizer, task=self.task,
+            profiler=self.profiler, model_flops=w.model_flops, peaks=w.peaks,
+            grad_comm=grad_comm, pipeline=w.pipeline, hybrid=w.hybrid, monitor=self.monitor,
+        )  # fmt: skip
+        self.run_folder = RunFolder(
+            cfg, self.ctx, self.log, engines=w.engines, kl_ctrl=self.kl_ctrl,
+            grad_comm=grad_comm, policy_config=w.policy_config, cuda=self.job.cuda,
+        )  # fmt: skip
+        self.run_folder.claim()
         if self.rank == 0:
-            self._write_run_meta()
-        self.ckpt = CheckpointManager(cfg.run_dir, self.ctx, self.group, keep_last=keep)
+            self.run_folder.write_meta()
         if cfg.train.resume == "auto":
-            self._maybe_resume()
+            self.step = self.run_folder.resume()
         self.tracking = build_tracking(
-            cfg.train,
-            cfg.run_dir,
-            self.rank,
-            self.step,
-            cfg.model_dump(by_alias=True),
+            cfg.train, cfg.run_dir, self.rank, self.step, cfg.model_dump(by_alias=True),
             comm_method=cfg.compression.gradient_compression,
-        )
+        )  # fmt: skip
         self._ready = True
 
-    # ------------------------------------------------------------------- run
+    def _report_environment(self) -> None:
+        """Rank 0 warns about the environment and about compression without a peer."""
+        if self.rank != 0:
+            return
+        for line in environment_findings():
+            self.log.warning("environment %s", line)
+        method = self.config.compression.gradient_compression
+        if self.world == 1 and method != "none":
+            self.log.warning(
+                "world size 1: gradient_compression=%s has no peer, nothing is communicated "
+                "(launch comm.nproc >= 2 ranks: verl-ppo train, or PPOTrainer(...).run() in a "
+                "plain process)",
+                method,
+            )
+
+    def _build_monitor(self) -> PrometheusMonitor | None:
+        """The Prometheus endpoint of ``monitor.prometheus_port``, or None."""
+        mc = self.config.monitor
+        if mc.prometheus_port is None:
+            return None
+        monitor = PrometheusMonitor(
+            mc.prometheus_port, mc.prometheus_host, rank=self.rank, device=self.device
+        )
+        if self.rank == 0:
+            self.log.info("prometheus metrics on %s", monitor.url)
+        return monitor
+
+    # ------------------------------------------------------- the parts' products
+    @property
+    def actor(self) -> Any:
+        """The actor role (None before :meth:`setup` and after :meth:`close`)."""
+        return None if self.workers is None else self.workers.actor
+
+    @property
+    def critic(self) -> Any:
+        """The critic role (None under GRPO)."""
+        return None if self.workers is None else self.workers.critic
+
+    @property
+    def reference(self) -> Any:
+        """The frozen reference policy."""
+        return None if self.workers is None else self.workers.reference
+
+    @property
+    def engines(self) -> dict[str, Any] | None:
+        """Role -> strategy of the trained roles."""
+        return None if self.workers is None else self.workers.engines
+
+    @property
+    def pipeline(self) -> Any:
+        """The pipeline roles of a PP x DP run, else None."""
+        return None if self.workers is None else self.workers.pipeline
+
+    @property
+    def hybrid(self) -> Any:
+        """The hybrid engine, or None."""
+        return None if self.workers is None else self.workers.hybrid
+
+    @property
+    def policy_config(self) -> Any:
+        """The policy's HF config."""
+        return None if self.workers is None else self.workers.policy_config
+
+    @property
+    def grad_comm(self) -> dict[str, Any]:
+        """Role -> active :class:`~verl_ppo.grad_comm.GradCommHandle`."""
+        return {} if self.workers is None else self.workers.grad_comm()
+
+    # ------------------------------------------------------------------- step
+    def train_step(self, step: int) -> dict[str, float]:
+        """One PPO step (collective); returns metrics averaged over ranks."""
+        return self.ppo_step.train_step(step)
+
+    def evaluate(self, keep: list | None = None) -> float:
+        """Mean reward of greedy responses on the held-out split (collective); see
+        :meth:`verl_ppo.trainer_step.PPOStep.evaluate`."""
+        return self.ppo_step.evaluate(keep)
+
+    def save_checkpoint(self) -> Path:
+        """Atomic checkpoint of engines and trainer state at the current step (collective)."""
+        return self.run_folder.save(self.step)
+
+    def export_hf(self, critic: bool | None = None) -> dict[str, Path]:
+        """Write the actor (and the critic) as HF folders under ``run_dir/hf`` (collective)."""
+        return self.run_folder.export_hf(critic)
+
+    # -------------------------------------------------------------------- run
     def run(self, num_steps: int | None = None) -> list[dict[str, float]]:
         """Train until step ``num_steps`` (default ``train.num_steps``); returns the logged
         metrics of this call's steps. Evaluates at the start and end (printing a few sampled
@@ -210,9 +281,17 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
         summary = RunSummary(method, cfg.compression.start_iter, self.world)
         t0 = float(os.environ.get("VERL_PPO_T0", self._t_setup))
         total = num_steps if num_steps is not None else cfg.train.num_steps
-        want_eval = cfg.data.eval_size > 0
-        if want_eval and self.step == 0:
-            samples: list = []
+        samples = self._begin(summary, total)
+        out, saved_at = self._loop(summary, total, samples)
+        self._finish(summary, out, saved_at, samples)
+        if self.rank == 0:
+            self.log.info("%s", summary.line(time.time() - t0, self.stopped_by))
+        return out
+
+    def _begin(self, summary: RunSummary, total: int) -> list:
+        """The step-0 evaluation (with samples) of a fresh run, or a note on resuming."""
+        samples: list = []
+        if self.config.data.eval_size > 0 and self.step == 0:
             e0 = self.evaluate(samples)
             summary.eval_start = e0
             self.tracking.log({"eval/reward": e0}, step=0)
@@ -221,22 +300,32 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
             self.log.warning(
                 "%s already holds step %d of %d: nothing to train (raise train.num_steps to "
                 "continue, or train.resume=never to start over)",
-                cfg.run_dir,
+                self.config.run_dir,
                 self.step,
                 total,
             )
         elif self.step:
             self.log.info("resuming at step %d of %d", self.step, total)
+        return samples
+
+    def _loop(
+        self, summary: RunSummary, total: int, samples: list
+    ) -> tuple[list[dict[str, float]], int]:
+        """Steps until ``total`` or a stop signal: train, evaluate, log, save on interval.
+        Returns the logged metrics and the step of the last interval checkpoint (-1: none);
+        ``samples`` receives the last evaluation's samples."""
+        cfg = self.config
+        want_eval = cfg.data.eval_size > 0
         stop = StopRequest().install()
         bar = tqdm(
             total=total, initial=self.step, disable=self.rank != 0, desc="ppo", dynamic_ncols=True
         )
-        out = []
+        out: list[dict[str, float]] = []
         saved_at = -1
         self.profiler.start(first_step=self.step + 1)  # numbered as in the log
         try:
             while self.step < total:
-                self.stopped_by = stop.agreed(self.ctx, self.group)
+                self.stopped_by = stop.agreed(self.ctx, self.ctx.group)
                 if self.stopped_by:
                     break
                 m = self.train_step(self.step)
@@ -247,7 +336,7 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
                     self.step == total
                     or (cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0)
                 ):
-                    samples = []
+                    samples.clear()
                     m["eval/reward"] = self.evaluate(samples if self.step == total else None)
                     summary.eval_end = m["eval/reward"]
                 m["step"] = self.step
@@ -262,6 +351,10 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
         finally:
             stop.restore()
             bar.close()
+        return out, saved_at
+
+    def _finish(self, summary: RunSummary, out: list, saved_at: int, samples: list) -> None:
+        """Profile note, final checkpoint and export, the closing samples and notices."""
         if self.profiler.stop() is not None and self.rank == 0:
             self.log.info(
                 "profile in %s; read it with: verl-comm profile report %s",
@@ -272,7 +365,7 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
             t_save = time.perf_counter()
             path = self.save_checkpoint()
             self.log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t_save)
-        if cfg.train.export_hf and out and not self.stopped_by:
+        if self.config.train.export_hf and out and not self.stopped_by:
             for role, path in self.export_hf().items():
                 self.log.info("%s exported to %s (AutoModel*.from_pretrained)", role, path)
         if self.stopped_by:
@@ -282,14 +375,11 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
                 self.stopped_by,
                 self.step,
             )
-        elif want_eval and summary.eval_end is not None:
+        elif self.config.data.eval_size > 0 and summary.eval_end is not None:
             self.log.info("%s", format_samples(f"held-out samples at step {self.step}:", samples))
         notice = summary.never_compressed()
         if notice and self.rank == 0:
             self.log.warning("%s", notice)
-        if self.rank == 0:
-            self.log.info("%s", summary.line(time.time() - t0, self.stopped_by))
-        return out
 
     def _should_launch(self) -> bool:
         """True in a plain process (no process group, no torchrun/launcher variables) asked
@@ -324,15 +414,11 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
 
     def close(self) -> None:
         """Free engines and tear the process group down if this trainer created it."""
-        if getattr(self, "experience_maker", None) is not None:
-            self.experience_maker.close()
-        if getattr(self, "monitor", None) is not None:
-            self.monitor.close()
-        if getattr(self, "tracking", None) is not None:
-            self.tracking.close()
-        for attr in ("actor", "critic", "reference", "engines", "hybrid", "experience_maker"):
-            if hasattr(self, attr):
-                setattr(self, attr, None)
+        for part in (self.experience_maker, self.monitor, self.tracking):
+            if part is not None:
+                part.close()
+        # the run_dir lock (a file descriptor) stays held until the process ends, as before
+        self.workers = self.experience_maker = self.ppo_step = self.run_folder = None
         gc.collect()
         if getattr(self, "_owns_group", False):
             self.ctx.destroy()

@@ -2,11 +2,13 @@
 ``train.resume``'s fresh-start policy), the run metadata that ``verl-ppo export``/``eval``
 read, checkpoints of engines and trainer state (save, resume) and the HF export.
 
-:class:`TrainerRunDirMixin` is one part of :class:`verl_ppo.trainer.PPOTrainer`.
+:class:`RunFolder` receives the engines, the KL controller and the gradient hooks whose
+state it saves; :class:`verl_ppo.trainer.PPOTrainer` owns it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from pathlib import Path
@@ -16,36 +18,57 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from verl_comm.distributed import DistContext
+from verl_ppo.checkpoint import CheckpointManager
+from verl_ppo.config import PPOConfig
 from verl_ppo.data.model_store import resolve_model_path
 from verl_ppo.export import export_live, save_model_meta
 from verl_ppo.run_folder import RunDirError, RunDirLock, prepare_run_dir
 
 
-class TrainerRunDirMixin:
-    """``run_dir``, checkpoints and export of :class:`~verl_ppo.trainer.PPOTrainer`."""
+class RunFolder:
+    """``run_dir``, checkpoints and export of one PPO job.
 
-    @property
-    def grad_comm(self) -> dict[str, Any]:
-        """Role -> active :class:`~verl_ppo.grad_comm.GradCommHandle` (empty when DeepSpeed
-        reduces the gradients itself)."""
-        return {
-            role: s.grad_comm
-            for role, s in self.engines.items()
-            if s.grad_comm is not None and s.grad_comm.active
-        }
+    Args:
+        cfg: the config (``run_dir``, ``train.resume``, ``train.keep_last_checkpoints``,
+            ``train.export_critic``; dumped to ``run_dir/config.yaml``).
+        ctx: the job's distributed context (rank 0 decides, every rank learns the outcome;
+            checkpoint barriers).
+        log: the rank's logger.
+        engines: role -> strategy, saved and restored by the checkpoints, exported to HF.
+        kl_ctrl: the KL controller (its state is checkpointed).
+        grad_comm: role -> active gradient-communication handle (error-feedback state is
+            checkpointed).
+        policy_config: the policy's HF config (``run_dir/model_config``).
+        cuda: the run is on CUDA (its RNG state is checkpointed too).
+    """
 
-    def _claim_run_dir(self) -> None:
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        ctx: DistContext,
+        log: logging.Logger,
+        *,
+        engines: dict[str, Any],
+        kl_ctrl: Any,
+        grad_comm: dict[str, Any],
+        policy_config: Any,
+        cuda: bool,
+    ) -> None:
+        self.config, self.ctx, self.log = cfg, ctx, log
+        self.rank, self.world, self.group = ctx.rank, ctx.world_size, ctx.group
+        self.engines, self.kl_ctrl, self.grad_comm = engines, kl_ctrl, grad_comm
+        self.policy_config, self.cuda = policy_config, cuda
+        self.ckpt = CheckpointManager(
+            cfg.run_dir, ctx, ctx.group, keep_last=cfg.train.keep_last_checkpoints
+        )
+        self._lock: RunDirLock | None = None
+
+    def claim(self) -> None:
         """Lock ``run_dir`` and apply ``train.resume``'s fresh-start policy, unless our
         launcher already did (it holds the lock for the ranks). Rank 0 decides; every rank
-        raises the same error (collective). Warns when compression has no peer."""
+        raises the same error (collective)."""
         cfg = self.config
-        if self.world == 1 and cfg.compression.gradient_compression != "none" and self.rank == 0:
-            self.log.warning(
-                "world size 1: gradient_compression=%s has no peer, nothing is communicated "
-                "(launch comm.nproc >= 2 ranks: verl-ppo train, or PPOTrainer(...).run() in a "
-                "plain process)",
-                cfg.compression.gradient_compression,
-            )
         if os.environ.get("VERL_PPO_LAUNCHED"):
             return
         error = ""
@@ -63,7 +86,7 @@ class TrainerRunDirMixin:
         if error:
             raise RunDirError(error)
 
-    def _write_run_meta(self) -> None:
+    def write_meta(self) -> None:
         """``run_dir/config.yaml`` and ``run_dir/model_config`` (what ``verl-ppo export`` and
         ``verl-ppo eval`` need besides the weights); rank 0."""
         run_dir = Path(self.config.run_dir)
@@ -80,9 +103,9 @@ class TrainerRunDirMixin:
         want_critic = self.config.train.export_critic if critic is None else critic
         return export_live(self.engines, self.rank, self.config.run_dir, critic=want_critic)
 
-    def _trainer_state(self) -> dict[str, Any]:
+    def _trainer_state(self, step: int) -> dict[str, Any]:
         state: dict[str, Any] = {
-            "step": self.step,
+            "step": step,
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": list(random.getstate()[1]),
@@ -94,16 +117,18 @@ class TrainerRunDirMixin:
                 state[f"grad_comm/{role}"] = handle.state_dict()
         return state
 
-    def save_checkpoint(self) -> Path:
-        """Atomic checkpoint of engines and trainer state at the current step (collective)."""
-        return self.ckpt.save(self.step, self.engines, self._trainer_state())
+    def save(self, step: int) -> Path:
+        """Atomic checkpoint of engines and trainer state at ``step`` (collective)."""
+        return self.ckpt.save(step, self.engines, self._trainer_state(step))
 
-    def _maybe_resume(self) -> None:
+    def resume(self) -> int:
+        """Restore the latest complete checkpoint (engines, KL controller, RNG states,
+        gradient hooks); returns its step, or 0 when there is none (collective)."""
         path = self.ckpt.latest()
         if path is None:
-            return
+            return 0
         state = self.ckpt.load(path, self.engines)
-        self.step = int(state["step"])
+        step = int(state["step"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         torch.set_rng_state(state["torch_rng"])
         if self.cuda and "cuda_rng" in state:
@@ -113,4 +138,5 @@ class TrainerRunDirMixin:
         for role, handle in self.grad_comm.items():
             if f"grad_comm/{role}" in state and hasattr(handle, "load_state_dict"):
                 handle.load_state_dict(state[f"grad_comm/{role}"])
-        self.log.info("resumed from %s at step %d", path, self.step)
+        self.log.info("resumed from %s at step %d", path, step)
+        return step

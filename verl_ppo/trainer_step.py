@@ -5,8 +5,8 @@ rollout (reshard -> gen -> reward) -> old_log_prob -> ref -> values -> adv -> up
 -> update_actor
 
 then the step's metrics (losses, timings, MFU, rollout and communication statistics)
-reduced over the ranks. :class:`TrainerStepMixin` is one part of
-:class:`verl_ppo.trainer.PPOTrainer`.
+reduced over the ranks. :class:`PPOStep` receives the workers it drives in its
+constructor; :class:`verl_ppo.trainer.PPOTrainer` owns it.
 """
 
 from __future__ import annotations
@@ -17,14 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_comm.distributed import DistContext
 from verl_ppo.algorithms import (
     ADV_ESTIMATORS,
     REWARD_SHAPERS,
     explained_variance,
     masked_mean,
 )
+from verl_ppo.config import Derived, PPOConfig
 from verl_ppo.experience import Experience
-from verl_ppo.experience_maker import rollout_metrics
+from verl_ppo.experience_maker import ExperienceMaker, rollout_metrics
+from verl_ppo.fast_path import ResolvedJob
 from verl_ppo.metrics import PhaseTimer
 from verl_ppo.perf import phase_perf
 from verl_ppo.report import Sample
@@ -32,13 +35,60 @@ from verl_ppo.report import Sample
 SAMPLES_SHOWN = 3  # held-out prompt/response/reward triples printed at start and end
 
 
-class TrainerStepMixin:
-    """:meth:`train_step` and :meth:`evaluate` of :class:`~verl_ppo.trainer.PPOTrainer`
-    (both collective)."""
+class PPOStep:
+    """:meth:`train_step` and :meth:`evaluate` of one PPO job (both collective).
+
+    Args:
+        cfg: the config.
+        job: the resolved job (old-log-prob bypass, fused head, ``auto/*`` metrics).
+        d: per-rank batch sizes.
+        ctx: the job's distributed context (metric and evaluation reductions).
+        actor, critic (None under GRPO), reference: the roles it drives.
+        experience_maker: makes each step's rollout and the greedy evaluation responses.
+        kl_ctrl: the KL controller (the run folder checkpoints the same object).
+        tokenizer, task: to show held-out samples.
+        profiler: the run's profiler (phase annotations).
+        model_flops, peaks: FLOP model and peak FLOP/s (None: no MFU metrics).
+        grad_comm: role -> active gradient-communication handle (``comm/*`` metrics).
+        pipeline: the :class:`~verl_ppo.pipeline.build.PipelineRoles` of a PP x DP run.
+        hybrid: the hybrid engine (a pipeline run evaluates on its TP rollout model).
+        monitor: the Prometheus monitor, or None.
+    """
+
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        job: ResolvedJob,
+        d: Derived,
+        ctx: DistContext,
+        *,
+        actor: Any,
+        critic: Any,
+        reference: Any,
+        experience_maker: ExperienceMaker,
+        kl_ctrl: Any,
+        tokenizer: Any,
+        task: Any,
+        profiler: Any,
+        model_flops: Any,
+        peaks: Any,
+        grad_comm: dict[str, Any],
+        pipeline: Any = None,
+        hybrid: Any = None,
+        monitor: Any = None,
+    ) -> None:
+        self.cfg, self.job, self.d, self.ctx = cfg, job, d, ctx
+        self.world, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
+        self.cuda = job.cuda
+        self.actor, self.critic, self.reference = actor, critic, reference
+        self.experience_maker, self.kl_ctrl = experience_maker, kl_ctrl
+        self.tokenizer, self.task, self.profiler = tokenizer, task, profiler
+        self.model_flops, self.peaks, self.grad_comm = model_flops, peaks, grad_comm
+        self.pipeline, self.hybrid, self.monitor = pipeline, hybrid, monitor
 
     def train_step(self, step: int) -> dict[str, float]:
         """One PPO step (collective); returns metrics averaged over ranks."""
-        cfg = self.config
+        cfg = self.cfg
         timer = PhaseTimer(profiler=self.profiler, sync_cuda=self.cuda)
         exp, m = self.experience_maker.make_experience(step, timer)
         local = exp  # this rank's rollout (perf and rollout metrics count it once)
@@ -59,7 +109,7 @@ class TrainerStepMixin:
         m.update(self._comm_metrics())
         m = self._reduce_metrics(m)
         if self.monitor is not None:
-            self.monitor.update(m, step=self.step)
+            self.monitor.update(m, step=step)
         m["perf/tokens"] *= self.world
         m["perf/throughput_tokens_per_s"] = m["perf/tokens"] / max(m["timing_s/step"], 1e-9)
         m["perf/throughput_tokens_per_s_per_gpu"] = m["perf/throughput_tokens_per_s"] / self.world
@@ -70,7 +120,7 @@ class TrainerStepMixin:
     def _score_tokens(self, exp: Experience, timer: PhaseTimer) -> None:
         """Phases ``old_log_prob``, ``ref`` and (GAE) ``values``: fill ``exp``'s ``(B, R)``
         log-probs under the rollout policy and the reference, and the critic's values."""
-        if self.fast.bypass_old_log_prob:  # see verl_ppo.fast_path.resolve_old_log_prob
+        if self.job.bypass_old_log_prob:  # see verl_ppo.fast_path._old_log_prob
             exp.old_log_prob = exp.rollout_log_prob
         else:
             with timer.phase("old_log_prob"):
@@ -84,7 +134,7 @@ class TrainerStepMixin:
     def _advantages(self, exp: Experience) -> dict[str, float]:
         """Token rewards (``algorithm.reward_shaping``), then advantages and returns
         (``algorithm.adv_estimator``) into ``exp``; returns this rank's metrics."""
-        alg = self.config.algorithm
+        alg = self.cfg.algorithm
         mask = exp.response_mask
         shape = REWARD_SHAPERS[alg.reward_shaping]
         exp.token_level_rewards, kl = shape(
@@ -116,7 +166,7 @@ class TrainerStepMixin:
 
     def _update(self, exp: Experience, timer: PhaseTimer) -> dict[str, float]:
         """Phases ``update_critic`` (GAE) and ``update_actor``: the PPO epochs."""
-        cfg, m = self.config, {}
+        cfg, m = self.cfg, {}
         if self.critic is not None:
             with timer.phase("update_critic"):
                 m.update(self.critic.update(exp, self.d.num_mini_batches, cfg.train.ppo_epochs))
@@ -126,7 +176,7 @@ class TrainerStepMixin:
                     exp,
                     self.d.num_mini_batches,
                     cfg.train.ppo_epochs,
-                    on_policy=self.fast.bypass_old_log_prob,
+                    on_policy=self.job.bypass_old_log_prob,
                 )
             )
         return m
@@ -134,15 +184,15 @@ class TrainerStepMixin:
     def _perf_metrics(self, times: dict[str, float], exp: Experience) -> dict[str, float]:
         """The resolved ``auto`` settings (``auto/*``), MFU per model phase
         (``perf/mfu/<phase>``, :mod:`verl_ppo.perf`) and decode tokens/s against its floor."""
-        out = dict(self.fast.metrics())
+        out = dict(self.job.metrics())
         out.update(
             phase_perf(
                 self.model_flops,
                 times,
                 exp.attention_mask.sum(-1),
                 int(exp.response_mask.sum()),
-                self.fast.fused_log_probs,
-                self.config.train.ppo_epochs,
+                self.job.fused_log_probs,
+                self.cfg.train.ppo_epochs,
                 self.peaks,
             )
         )

@@ -159,6 +159,13 @@ def test_explicit_true_with_zero3_is_refused():
     from verl_ppo.config import ConfigError, build_config
     from verl_ppo.fast_path import resolve
 
-    cfg = build_config(None, **{"actor.zero_stage": 3, "train.torch_compile": True})
+    over = {"actor.zero_stage": 3, "train.torch_compile": True}
     with pytest.raises(ConfigError, match="train.torch_compile=true cannot apply: ZeRO-3"):
-        resolve(cfg, True, _tiny(1))
+        build_config(None, **over)  # the rule needs no device: refused when the config is built
+    cfg = build_config(None, **{**over, "train.torch_compile": "auto"})
+    with pytest.raises(ConfigError, match="train.torch_compile=true cannot apply: ZeRO-3"):
+        resolve(
+            cfg.model_copy(update={"train": cfg.train.model_copy(update=dict(torch_compile=True))}),
+            True,
+            _tiny(1),
+        )

@@ -103,16 +103,18 @@ def test_unknown_task_named():
 
 def test_profiler_steps_and_output_dir_checked_up_front(tmp_path):
     ok = {"enable": True, "steps": [1, 3], "output_dir": str(tmp_path / "new" / "prof")}
-    PPOConfig(train={"num_steps": 3}, profiler=ok)  # numbered as in the log, 1..num_steps
-    with pytest.raises(ValueError, match=r"profiler.steps \[0, 4\] outside 1..train.num_steps=3"):
-        PPOConfig(train={"num_steps": 3}, profiler={**ok, "steps": [0, 2, 4]})
+    build_config(
+        {"train": {"num_steps": 3}, "profiler": ok}
+    )  # numbered as in the log, 1..num_steps
+    with pytest.raises(ConfigError, match=r"profiler.steps \[0, 4\] outside 1..train.num_steps=3"):
+        build_config({"train": {"num_steps": 3}, "profiler": {**ok, "steps": [0, 2, 4]}})
     afile = tmp_path / "afile"
     afile.write_text("x")
-    with pytest.raises(ValueError, match="profiler.output_dir: .* is not a folder"):
-        PPOConfig(profiler={"enable": True, "output_dir": str(afile)})
-    with pytest.raises(ValueError, match="profiler.output_dir: .* cannot be created"):
-        PPOConfig(profiler={"enable": True, "output_dir": str(afile / "sub")})
-    PPOConfig(profiler={"enable": False, "output_dir": str(afile)})  # off: not checked
+    with pytest.raises(ConfigError, match="profiler.output_dir: .* is not a folder"):
+        build_config({"profiler": {"enable": True, "output_dir": str(afile)}})
+    with pytest.raises(ConfigError, match="profiler.output_dir: .* cannot be created"):
+        build_config({"profiler": {"enable": True, "output_dir": str(afile / "sub")}})
+    build_config({"profiler": {"enable": False, "output_dir": str(afile)}})  # off: not checked
 
 
 def test_micro_batch_not_dividing_names_the_divisors():
@@ -130,3 +132,43 @@ def test_ranks_not_dividing_the_batch_name_the_rank_counts():
     cfg = build_config({"comm": {"nproc": 3}})
     with pytest.raises(ConfigError, match=r"run a number of ranks in \[1, 2, 4, 8\] \(comm.nproc"):
         cfg.derived(cfg.comm.nproc)
+
+
+def test_schema_imports_no_feature_module():
+    """``verl_ppo.config`` is the schema: importing it loads only sub-schemas (the rules and
+    the resolver load when a config is built)."""
+    import ast
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, verl_ppo.config; "
+        "print(sorted(m for m in sys.modules if m.startswith('verl_ppo')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
+    assert loaded <= {
+        "verl_ppo",
+        "verl_ppo.config",
+        "verl_ppo.errors",
+        "verl_ppo.reshard",
+        "verl_ppo.reshard.config",
+        "verl_ppo.reshard.layout",
+    }, loaded
+
+
+def test_a_switch_rule_refuses_true_and_turns_auto_off_with_one_reason():
+    """ZeRO-3 x fused log-probs is written once (verl_ppo.rules.SWITCHES): an explicit true
+    is refused when the config is built, auto resolves off with the same reason."""
+    from verl_ppo.fast_path import ModelFacts, resolve
+
+    why = "ZeRO-3 partitions the LM head weight"
+    with pytest.raises(ConfigError, match=f"train.fused_log_probs=true cannot apply: {why}"):
+        build_config(None, **{"actor.zero_stage": 3, "train.fused_log_probs": True})
+    facts = ModelFacts("LlamaForCausalLM", None, None, 2, "sdpa")
+    job = resolve(build_config(None, **{"actor.zero_stage": 3}), False, facts)
+    assert not job.fused_log_probs
+    assert job.reasons["train.fused_log_probs"] == f"off (auto: {why})"
+    assert job.metrics()["auto/train.fused_log_probs"] == 0.0
+    with pytest.raises(AttributeError):  # resolved once: read, never re-decided
+        job.fused_log_probs = True

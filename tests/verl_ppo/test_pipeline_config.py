@@ -3,7 +3,7 @@
 import pytest
 
 from verl_ppo.config import ConfigError, build_config
-from verl_ppo.pipeline.checks import check_pipeline_world
+from verl_ppo.fast_path import layouts
 
 HE = "actor.model_config.hybrid_engine"
 PP2 = {f"{HE}.enable": True, f"{HE}.training_sharding.pipeline_parallel_size": 2}
@@ -41,13 +41,14 @@ def test_training_tp_and_moved_zero_stage_refused():
 
 def test_supported_pipeline_config_and_world_checks():
     cfg = build_config({}, **{**PP2, "actor.zero_stage": 1, "critic.zero_stage": 1})
-    check_pipeline_world(cfg, 4)  # PP2 x DP2
+    train, _ = layouts(cfg, 4, 1)
+    assert (train.pp, train.dp, train.zero_stage) == (2, 2, 1)  # PP2 x DP2
     odd = build_config({}, **{**PP2, "train.rollout_batch_size": 6, "train.ppo_mini_batch_size": 6})
     with pytest.raises(ValueError, match="= 2 does not divide world size 3"):
-        check_pipeline_world(odd, 3)
+        layouts(odd, 3, 0)
     small = build_config(
         {}, **{**PP2, "train.ppo_mini_batch_size": 2, "train.rollout_batch_size": 4}
     )
-    check_pipeline_world(small, 2)  # PP2 x DP1
+    layouts(small, 2, 0)  # PP2 x DP1
     with pytest.raises(ConfigError, match="ppo_mini_batch_size=2 does not divide evenly by ranks"):
-        check_pipeline_world(small, 4)
+        layouts(small, 4, 0)

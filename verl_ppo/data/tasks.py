@@ -9,7 +9,6 @@ uses a different seed, so train and held-out prompts never coincide.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,11 +130,6 @@ class Task:
         ds = self.train if split == "train" else self.eval
         entry = ds[index % len(ds)]
         return Sample(self.render(tokenizer, entry["question"]), entry["question"], entry)
-
-    def iter_eval(self, tokenizer: Any) -> Iterator[Sample]:
-        """All held-out samples in order."""
-        for i in range(len(self.eval)):
-            yield self.sample(tokenizer, "eval", i)
 
     def score(self, completion: str, entry: dict) -> float:
         """reasoning-gym's score in [0, 1] of the answer extracted from ``completion``."""

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from verl_ppo.experience import Experience
-from verl_ppo.pipeline.checks import pipeline_degree
 from verl_ppo.pipeline.data import gather_pipeline_experience, per_rollout
 from verl_ppo.pipeline.roles import PipelineActor, PipelineCritic, PipelineReference, PipeLoss
 from verl_ppo.pipeline.strategy import PipelineStrategy
@@ -81,27 +80,6 @@ class PipelineRoles:
         return m
 
 
-def pipeline_fast_path(cfg: Any) -> Any:
-    """The :class:`~verl_ppo.fast_path.FastPath` of a pipeline run: CUDA graphs, sequence
-    packing, the fused LM head, token-budget micro-batches and torch.compile are off
-    (explicit ``true`` is refused by :mod:`verl_ppo.pipeline.checks`); the ``old_log_prob``
-    bypass resolves as usual (the rollout model's log-probs)."""
-    from verl_ppo.fast_path import FastPath, resolve_old_log_prob
-
-    why = "off: pipeline training (fixed-size pipeline micro-batches, TP rollout model)"
-    fp = FastPath()
-    for key in (
-        "rollout.use_cuda_graph",
-        "train.sequence_packing",
-        "train.fused_log_probs",
-        "train.max_tokens_per_micro_batch",
-        "train.torch_compile",
-    ):
-        fp.reasons[key] = why
-    fp.bypass_old_log_prob, fp.reasons["algorithm.old_log_prob"] = resolve_old_log_prob(cfg)
-    return fp
-
-
 def _source(cfg: Any, tokenizer: Any, dtype: torch.dtype) -> WeightSource:
     if cfg.model.tiny is not None:
         from verl_ppo.models import build_policy
@@ -117,14 +95,15 @@ def _source(cfg: Any, tokenizer: Any, dtype: torch.dtype) -> WeightSource:
 
 
 def build_pipeline_roles(
-    cfg: Any, tokenizer: Any, dtype: torch.dtype, world_size: int, use_critic: bool
+    cfg: Any, job: Any, tokenizer: Any, world_size: int, use_critic: bool
 ) -> PipelineRoles:
     """Every rank builds its stage of the actor, the reference and (GAE) the critic.
 
     Args:
         cfg: the :class:`~verl_ppo.config.PPOConfig`.
+        job: the :class:`~verl_ppo.fast_path.ResolvedJob` (PP degree, ZeRO stages, dtype,
+            fused AdamW).
         tokenizer: the policy's tokenizer (vocabulary of a ``model.tiny`` model).
-        dtype: parameter dtype.
         world_size: all ranks; the data-parallel size is ``world_size / PP``.
         use_critic: build the critic (GAE).
 
@@ -134,7 +113,7 @@ def build_pipeline_roles(
     from verl_ppo.reshard.specs import model_param_specs
     from verl_ppo.strategy import ds_config
 
-    pp = pipeline_degree(cfg)
+    pp, dtype = job.pipeline_parallel_size, job.dtype
     dp = world_size // pp
     d = cfg.derived(dp)  # per-pipeline training sizes
     source = _source(cfg, tokenizer, dtype)
@@ -158,10 +137,16 @@ def build_pipeline_roles(
         )
         o = role_cfg.optim
         return PipelineStrategy(
-            ds, pp, timeout, o.lr if train else None, o.weight_decay, tuple(o.betas)
+            ds,
+            pp,
+            timeout,
+            o.lr if train else None,
+            o.weight_decay,
+            tuple(o.betas),
+            fused=job.fused_adamw,
         )
 
-    actor_s = strategy(cfg.actor, cfg.actor.zero_stage, True)
+    actor_s = strategy(cfg.actor, job.actor_zero_stage, True)
     actor_loss = PipeLoss("policy", a, temp)
     actor_s.init(hf_config, source, "policy", actor_loss)
     ref_s = strategy(cfg.actor, 0, False)
@@ -173,7 +158,7 @@ def build_pipeline_roles(
     engines = {"actor": actor_s}
     critic = None
     if use_critic:
-        critic_s = strategy(cfg.critic, cfg.critic.zero_stage, True)
+        critic_s = strategy(cfg.critic, job.critic_zero_stage, True)
         critic_loss = PipeLoss("value", a)
         critic_s.init(hf_config, source, "value", critic_loss)
         critic = PipelineCritic(critic_s, critic_loss, a, mb)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from verl_ppo.reshard.specs import LLAMA_FAMILY
+from verl_ppo.model_family import LLAMA_FAMILY, LLAMA_NAMES
 
 _PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
 
@@ -76,12 +76,10 @@ def _load(module: nn.Module, source: Any, prefix: str) -> nn.Module:
 class EmbedPipe(nn.Module):
     """First stage: token embedding. ``(ids, mask) -> (hidden, mask)``."""
 
-    hf_prefix = "embed_tokens."
-
     def __init__(self, config: Any, source: Any, base: str) -> None:
         super().__init__()
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        _load(self.embed, source, f"{base}embed_tokens.")
+        _load(self.embed, source, LLAMA_NAMES.embed_prefix(base))
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]):
         ids, mask = inputs
@@ -97,7 +95,7 @@ class DecoderPipe(nn.Module):
 
         layer_cls, _, rope_cls = hf_classes(config)
         self.config = config
-        self.block = _load(layer_cls(config, index), source, f"{base}layers.{index}.")
+        self.block = _load(layer_cls(config, index), source, LLAMA_NAMES.layer(index, base))
         self.rotary = rope_cls(config=config).to(source.dtype)
         self._mask_fn = create_causal_mask
         self.index = index
@@ -124,7 +122,7 @@ class NormPipe(nn.Module):
         super().__init__()
         _, norm_cls, _ = hf_classes(config)
         self.norm = _load(
-            norm_cls(config.hidden_size, eps=config.rms_norm_eps), source, f"{base}norm."
+            norm_cls(config.hidden_size, eps=config.rms_norm_eps), source, LLAMA_NAMES.norm(base)
         )
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -137,7 +135,7 @@ class LMHeadPipe(nn.Module):
     def __init__(self, config: Any, source: Any) -> None:
         super().__init__()
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        _load(self.lm_head, source, "lm_head.")
+        _load(self.lm_head, source, f"{LLAMA_NAMES.lm_head}.")
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)
@@ -174,7 +172,7 @@ def layer_specs(config: Any, source: Any, role: str) -> list[Any]:
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     hf_classes(config)  # validate the family before anything is built
-    base = "model." if role == "policy" else "backbone."
+    base = LLAMA_NAMES.base if role == "policy" else "backbone."
     tied = role == "policy" and bool(getattr(config, "tie_word_embeddings", False))
     specs: list[Any] = []
     if tied:
@@ -234,17 +232,17 @@ def hf_name(pipe_name: str, layers: dict[int, nn.Module], base: str) -> str:
     if head == "tied_modules":
         key, _, rest = rest.partition(".")
         if key == "embed" and rest == "embed.weight":
-            return f"{base}embed_tokens.weight"
+            return LLAMA_NAMES.embed_weight(base)
         raise KeyError(pipe_name)
     layer = layers[int(head)]
     if isinstance(layer, EmbedPipe):
-        return f"{base}embed_tokens.{rest.removeprefix('embed.')}"
+        return LLAMA_NAMES.embed_prefix(base) + rest.removeprefix("embed.")
     if isinstance(layer, DecoderPipe):
-        return f"{base}layers.{layer.index}.{rest.removeprefix('block.')}"
+        return LLAMA_NAMES.layer(layer.index, base) + rest.removeprefix("block.")
     if isinstance(layer, NormPipe):
-        return f"{base}norm.{rest.removeprefix('norm.')}"
+        return LLAMA_NAMES.norm(base) + rest.removeprefix("norm.")
     if isinstance(layer, LMHeadPipe):
-        return f"lm_head.{rest.removeprefix('lm_head.')}"
+        return f"{LLAMA_NAMES.lm_head}.{rest.removeprefix('lm_head.')}"
     if isinstance(layer, ValueHeadPipe):
         return f"value_head.{rest.removeprefix('value_head.')}"
     raise KeyError(pipe_name)

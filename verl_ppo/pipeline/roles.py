@@ -94,7 +94,7 @@ class _PipelineRole:
     ) -> None:
         self.strategy, self.loss, self.algo = strategy, loss, algo
         self.micro_batch_size = micro_batch_size
-        self.grad_comm = None  # verl_comm hooks are refused with PP (see verl_ppo.pipeline.checks)
+        self.grad_comm = None  # verl_comm hooks are refused with PP (see verl_ppo.rules)
 
     @property
     def module(self) -> torch.nn.Module:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_ppo.model_family import LLAMA_NAMES
 from verl_ppo.reshard.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class PipelineStrategy:
         timeout_s: timeout of every group the engine creates (``comm.timeout_s``).
         lr, weight_decay, betas: AdamW hyper-parameters; ``lr=None`` builds a frozen engine
             (no optimizer: the reference policy).
+        fused: torch's fused AdamW (None = on CUDA; the trainer passes the resolved
+            ``optim.fused``).
     """
 
     def __init__(
@@ -83,11 +86,13 @@ class PipelineStrategy:
         lr: float | None,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
+        fused: bool | None = None,
     ) -> None:
         self.config, self.pp, self.timeout_s = config, pp, timeout_s
         self.lr, self.weight_decay, self.betas = lr, weight_decay, betas
+        self.fused = torch.cuda.is_available() if fused is None else fused
         self.engine: Any = None
-        self.base = "model."
+        self.base = LLAMA_NAMES.base
         self.grad_comm = None  # DeepSpeed reduces (compression is refused with PP)
 
     def init(self, hf_config: Any, source: Any, role: str, loss_fn: Any) -> Any:
@@ -108,7 +113,7 @@ class PipelineStrategy:
 
         from verl_ppo.pipeline.layers import layer_specs, stage_parts
 
-        self.base = "model." if role == "policy" else "backbone."
+        self.base = LLAMA_NAMES.base if role == "policy" else "backbone."
         specs = layer_specs(hf_config, source, role)
         with group_timeout(self.timeout_s):
             deepspeed.init_distributed()  # wraps the existing process group (deepspeed.comm)
@@ -135,7 +140,7 @@ class PipelineStrategy:
                     lr=self.lr,
                     weight_decay=self.weight_decay,
                     betas=self.betas,
-                    fused=torch.cuda.is_available(),
+                    fused=self.fused,
                 )
             else:
                 for p in module.parameters():

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from verl_ppo.model_family import LLAMA_NAMES
+
 
 class WeightSource:
     """Tensors by HF name, cast to ``dtype``.
@@ -77,9 +79,9 @@ class WeightSource:
             shape = (1, self.config.hidden_size) if name.endswith("weight") else (1,)
             return torch.zeros(shape, dtype=self.dtype)
         if name.startswith("backbone."):
-            name = "model." + name[len("backbone.") :]
-        if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
-            name = "model.embed_tokens.weight"
+            name = LLAMA_NAMES.base + name[len("backbone.") :]
+        if name == LLAMA_NAMES.head_weight() and getattr(self.config, "tie_word_embeddings", False):
+            name = LLAMA_NAMES.embed_weight()
         return self._raw(name).to(self.dtype).clone()
 
     def release(self) -> None:

@@ -88,6 +88,7 @@ class HybridEngine:
         ctx: Any = None,
         world_group: dist.ProcessGroup | None = None,
         recorder: CommRecorder | None = None,
+        rollout: ParallelLayout | None = None,
     ) -> HybridEngine:
         """Validate the layouts against the world and the model, plan, create TP groups.
 
@@ -102,13 +103,16 @@ class HybridEngine:
                 sub-group is needed.
             world_group: group of all ranks (None = WORLD).
             recorder: optional comm telemetry for the executor.
+            rollout: the rollout layout, when the caller derived it already (the trainer:
+                :func:`verl_ppo.fast_path.layouts`); None = from ``hybrid_cfg``.
 
         Raises:
             ValueError: a layout that does not fit, or a sub-group needed without ``ctx``
                 (raised before any communication).
         """
         world = dist.get_world_size(world_group) if dist.is_initialized() else 1
-        _, rollout = hybrid_cfg.layouts(world, train_layout.zero_stage)
+        if rollout is None:
+            _, rollout = hybrid_cfg.layouts(world, train_layout.zero_stage)
         engine = ReshardEngine(
             model_config,
             train_layout,
@@ -221,27 +225,7 @@ class HybridEngine:
         m["timing_s/reshard"] = time.perf_counter() - t0
         m["timing_s/reshard_wire_and_copy"] = s.time_s
         m["reshard/enter_s"] = m["timing_s/reshard"]  # kept in the step metrics (no timing_)
-        m["reshard/wire_and_copy_s"] = s.time_s
-        m["reshard/bytes_per_rank"] = float(s.bytes_received)
-        m["reshard/bytes_sent_per_rank"] = float(s.bytes_sent)
-        m["reshard/lower_bound_bytes"] = float(s.lower_bound_bytes)
-        m["reshard/bytes_over_lower_bound"] = (
-            s.bytes_received / s.lower_bound_bytes
-            if s.lower_bound_bytes
-            else float(s.bytes_received == 0)
-        )
-        m["reshard/rollout_shard_bytes"] = float(s.rollout_bytes)
-        train_ptrs = {prm.data_ptr() for prm in params}
-        m["memory/rollout_extra_param_bytes"] = float(  # rollout tensors not aliasing training
-            sum(
-                t.numel() * t.element_size()
-                for t in shards.values()
-                if t.data_ptr() not in train_ptrs
-            )
-        )
-        m["reshard/peak_extra_bytes"] = float(s.peak_extra_bytes)
-        m["reshard/buckets"] = float(s.buckets)
-        m["reshard/tensor_parallel_size"] = float(self.tp.size)
+        m.update(_reshard_metrics(s, shards, params, self.tp.size))
         for k, v in _memory_gb(device).items():
             m[f"memory/enter_after_{k}"] = v
         logger.info(
@@ -284,3 +268,30 @@ class HybridEngine:
                     f"{len(changed)} training parameters were modified inside hybrid.rollout(); "
                     "the rollout model does not write back, so update weights outside the block"
                 )
+
+
+def _reshard_metrics(
+    s: Any, shards: Mapping[str, torch.Tensor], params: list[torch.Tensor], tp_size: int
+) -> dict[str, float]:
+    """``reshard/*`` statistics of one entry (``s``: the executor's ``ReshardStats``) and
+    the bytes of rollout tensors that do not alias training storage."""
+    train_ptrs = {prm.data_ptr() for prm in params}
+    extra = sum(
+        t.numel() * t.element_size() for t in shards.values() if t.data_ptr() not in train_ptrs
+    )
+    return {
+        "reshard/wire_and_copy_s": s.time_s,
+        "reshard/bytes_per_rank": float(s.bytes_received),
+        "reshard/bytes_sent_per_rank": float(s.bytes_sent),
+        "reshard/lower_bound_bytes": float(s.lower_bound_bytes),
+        "reshard/bytes_over_lower_bound": (
+            s.bytes_received / s.lower_bound_bytes
+            if s.lower_bound_bytes
+            else float(s.bytes_received == 0)
+        ),
+        "reshard/rollout_shard_bytes": float(s.rollout_bytes),
+        "memory/rollout_extra_param_bytes": float(extra),
+        "reshard/peak_extra_bytes": float(s.peak_extra_bytes),
+        "reshard/buckets": float(s.buckets),
+        "reshard/tensor_parallel_size": float(tp_size),
+    }

@@ -131,14 +131,6 @@ class ParallelLayout:
             for d in range(self.dp)
         ]
 
-    def all_dp_groups(self) -> list[list[int]]:
-        """Every DP group, in (pp, tp) order."""
-        return [
-            [self.rank_of(p, d, t) for d in range(self.dp)]
-            for p in range(self.pp)
-            for t in range(self.tp)
-        ]
-
     def model_parallel_group(self, rank: int) -> list[int]:
         """Ranks holding one full copy together with ``rank`` (same DP index), unless ZeRO-3,
         where the DP group partitions the weights too, so the group is every rank."""

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from verl_ppo.model_dims import LLAMA_FAMILY, ModelDims, model_dims  # noqa: F401 (re-exported)
+from verl_ppo.model_dims import ModelDims, model_dims  # noqa: F401 (re-exported)
+from verl_ppo.model_family import GPT2_NAMES, LLAMA_NAMES
 from verl_ppo.reshard.layout import ParallelLayout, stage_layer_range
 
 Box = tuple[tuple[int, int], ...]
@@ -129,49 +130,31 @@ def _llama_specs(config: Any, d: ModelDims) -> list[ParamSpec]:
     mlp_bias = bool(getattr(config, "mlp_bias", False))
     h, hd, nq, nkv, inter = d.hidden, d.head_dim, d.heads, d.kv_heads, d.intermediate
     qc, kvc, ic = Component(0, nq, hd), Component(0, nkv, hd), Component(0, inter, 1)
-    specs = [
-        _spec(
-            "model.embed_tokens.weight",
-            (d.vocab, h),
-            "vocab",
-            0,
-            [Component(0, d.vocab, 1)],
-            "embed",
-        )
-    ]
+    n, rep = LLAMA_NAMES, "replicated"
+    vocab = [Component(0, d.vocab, 1)]
+    specs = [_spec(n.embed_weight(), (d.vocab, h), "vocab", 0, vocab, "embed")]
     for i in range(d.num_layers):
-        p = f"model.layers.{i}."
         L = []
         for proj, comp, rows in (("q", qc, nq * hd), ("k", kvc, nkv * hd), ("v", kvc, nkv * hd)):
-            L.append(
-                _spec(
-                    f"{p}self_attn.{proj}_proj.weight", (rows, h), "column", 0, [comp], "layer", i
-                )
-            )
+            L.append(_spec(n.param(i, proj), (rows, h), "column", 0, [comp], "layer", i))
             if qkv_bias:
-                L.append(
-                    _spec(
-                        f"{p}self_attn.{proj}_proj.bias", (rows,), "column", 0, [comp], "layer", i
-                    )
-                )
-        L.append(_spec(f"{p}self_attn.o_proj.weight", (h, nq * hd), "row", 1, [qc], "layer", i))
+                L.append(_spec(n.param(i, proj, "bias"), (rows,), "column", 0, [comp], "layer", i))
+        L.append(_spec(n.param(i, "o"), (h, nq * hd), "row", 1, [qc], "layer", i))
         if o_bias:
-            L.append(_spec(f"{p}self_attn.o_proj.bias", (h,), "replicated", None, [], "layer", i))
+            L.append(_spec(n.param(i, "o", "bias"), (h,), rep, None, [], "layer", i))
         for proj in ("gate", "up"):
-            L.append(_spec(f"{p}mlp.{proj}_proj.weight", (inter, h), "column", 0, [ic], "layer", i))
+            L.append(_spec(n.param(i, proj), (inter, h), "column", 0, [ic], "layer", i))
             if mlp_bias:
-                L.append(_spec(f"{p}mlp.{proj}_proj.bias", (inter,), "column", 0, [ic], "layer", i))
-        L.append(_spec(f"{p}mlp.down_proj.weight", (h, inter), "row", 1, [ic], "layer", i))
+                L.append(_spec(n.param(i, proj, "bias"), (inter,), "column", 0, [ic], "layer", i))
+        L.append(_spec(n.param(i, "down"), (h, inter), "row", 1, [ic], "layer", i))
         if mlp_bias:
-            L.append(_spec(f"{p}mlp.down_proj.bias", (h,), "replicated", None, [], "layer", i))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            L.append(_spec(f"{p}{norm}.weight", (h,), "replicated", None, [], "layer", i))
+            L.append(_spec(n.param(i, "down", "bias"), (h,), rep, None, [], "layer", i))
+        for norm in ("attn_norm", "mlp_norm"):
+            L.append(_spec(n.param(i, norm), (h,), rep, None, [], "layer", i))
         specs += L
-    specs.append(_spec("model.norm.weight", (h,), "replicated", None, [], "last"))
+    specs.append(_spec(f"{n.norm()}weight", (h,), rep, None, [], "last"))
     if not d.tied:
-        specs.append(
-            _spec("lm_head.weight", (d.vocab, h), "vocab", 0, [Component(0, d.vocab, 1)], "last")
-        )
+        specs.append(_spec(n.head_weight(), (d.vocab, h), "vocab", 0, vocab, "last"))
     return specs
 
 
@@ -180,37 +163,33 @@ def _gpt2_specs(config: Any, d: ModelDims) -> list[ParamSpec]:
     qkv = [Component(0, nh, hd), Component(h, nh, hd), Component(2 * h, nh, hd)]
     ic = Component(0, inner, 1)
     n_pos = getattr(config, "n_positions", 1024)
+    n, rep = GPT2_NAMES, "replicated"
+    vocab = [Component(0, d.vocab, 1)]
     specs = [
-        _spec(
-            "transformer.wte.weight", (d.vocab, h), "vocab", 0, [Component(0, d.vocab, 1)], "embed"
-        ),
-        _spec("transformer.wpe.weight", (n_pos, h), "replicated", None, [], "first"),
+        _spec(n.embed_weight(), (d.vocab, h), "vocab", 0, vocab, "embed"),
+        _spec(f"{n.base}wpe.weight", (n_pos, h), rep, None, [], "first"),
     ]
-    rep = "replicated"
     for i in range(d.num_layers):
-        p = f"transformer.h.{i}."
         specs += [
-            _spec(f"{p}ln_1.weight", (h,), rep, None, [], "layer", i),
-            _spec(f"{p}ln_1.bias", (h,), rep, None, [], "layer", i),
-            _spec(f"{p}attn.c_attn.weight", (h, 3 * h), "column", 1, qkv, "layer", i),
-            _spec(f"{p}attn.c_attn.bias", (3 * h,), "column", 0, qkv, "layer", i),
-            _spec(f"{p}attn.c_proj.weight", (h, h), "row", 0, [Component(0, nh, hd)], "layer", i),
-            _spec(f"{p}attn.c_proj.bias", (h,), rep, None, [], "layer", i),
-            _spec(f"{p}ln_2.weight", (h,), rep, None, [], "layer", i),
-            _spec(f"{p}ln_2.bias", (h,), rep, None, [], "layer", i),
-            _spec(f"{p}mlp.c_fc.weight", (h, inner), "column", 1, [ic], "layer", i),
-            _spec(f"{p}mlp.c_fc.bias", (inner,), "column", 0, [ic], "layer", i),
-            _spec(f"{p}mlp.c_proj.weight", (inner, h), "row", 0, [ic], "layer", i),
-            _spec(f"{p}mlp.c_proj.bias", (h,), rep, None, [], "layer", i),
+            _spec(n.param(i, "attn_norm"), (h,), rep, None, [], "layer", i),
+            _spec(n.param(i, "attn_norm", "bias"), (h,), rep, None, [], "layer", i),
+            _spec(n.param(i, "qkv"), (h, 3 * h), "column", 1, qkv, "layer", i),
+            _spec(n.param(i, "qkv", "bias"), (3 * h,), "column", 0, qkv, "layer", i),
+            _spec(n.param(i, "o"), (h, h), "row", 0, [Component(0, nh, hd)], "layer", i),
+            _spec(n.param(i, "o", "bias"), (h,), rep, None, [], "layer", i),
+            _spec(n.param(i, "mlp_norm"), (h,), rep, None, [], "layer", i),
+            _spec(n.param(i, "mlp_norm", "bias"), (h,), rep, None, [], "layer", i),
+            _spec(n.param(i, "fc"), (h, inner), "column", 1, [ic], "layer", i),
+            _spec(n.param(i, "fc", "bias"), (inner,), "column", 0, [ic], "layer", i),
+            _spec(n.param(i, "proj"), (inner, h), "row", 0, [ic], "layer", i),
+            _spec(n.param(i, "proj", "bias"), (h,), rep, None, [], "layer", i),
         ]
     specs += [
-        _spec("transformer.ln_f.weight", (h,), rep, None, [], "last"),
-        _spec("transformer.ln_f.bias", (h,), rep, None, [], "last"),
+        _spec(f"{n.norm()}weight", (h,), rep, None, [], "last"),
+        _spec(f"{n.norm()}bias", (h,), rep, None, [], "last"),
     ]
     if not d.tied:
-        specs.append(
-            _spec("lm_head.weight", (d.vocab, h), "vocab", 0, [Component(0, d.vocab, 1)], "last")
-        )
+        specs.append(_spec(n.head_weight(), (d.vocab, h), "vocab", 0, vocab, "last"))
     return specs
 
 

@@ -41,7 +41,8 @@ def sequence_log_probs(
     """
     pos = position_ids_from(attention_mask)
     if fused:
-        from verl_ppo.roles.fused_head import chunked_head_log_probs, decoder_of, head_weight
+        from verl_ppo.model_family import decoder_of
+        from verl_ppo.roles.fused_head import chunked_head_log_probs, head_weight
 
         h = decoder_of(model)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False

@@ -205,12 +205,3 @@ def chunked_head_log_probs(
         hidden, weight, targets.long(), float(temperature), int(chunk), bool(with_entropy)
     )
     return logp, (ent if with_entropy else None)
-
-
-def decoder_of(model: Any) -> torch.nn.Module:
-    """The base model of a HF causal LM (returns ``last_hidden_state``)."""
-    if hasattr(model, "get_decoder"):
-        dec = model.get_decoder()
-        if dec is not None:
-            return dec
-    return model.base_model

@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl_ppo.compiled import CompiledOrEager
-from verl_ppo.model_dims import LLAMA_FAMILY, model_dims
+from verl_ppo.model_dims import model_dims
+from verl_ppo.model_family import LLAMA_FAMILY, names_of
 
 
 @dataclass
@@ -108,11 +109,6 @@ _rope = CompiledOrEager(_rope_ref)
 _silu_mul = CompiledOrEager(_silu_mul_ref)
 
 
-def fused_failures() -> dict[str, str]:
-    """Compilations of the fused decode kernels that failed (name -> reason)."""
-    return {f.fn.__name__: f.failure for f in (_rms_norm, _rope, _silu_mul) if f.failure}
-
-
 def _activation(name: str):
     try:
         from transformers.activations import ACT2FN
@@ -178,12 +174,12 @@ class TPCausalLM:
         self.config, self.w, self.tp = config, shards, tp
         d = self.dims = model_dims(config)
         self.llama = d.model_type in LLAMA_FAMILY
+        self.names = names_of(d.model_type)
         self.nq = d.heads // tp.size
         self.nkv = d.kv_heads // tp.size if d.kv_heads % tp.size == 0 else 1
         self.vocab_local = d.vocab // tp.size
-        emb = "model.embed_tokens.weight" if self.llama else "transformer.wte.weight"
-        self.embed = shards[emb]
-        self.head = shards.get("lm_head.weight", self.embed) if not d.tied else self.embed
+        self.embed = shards[self.names.embed_weight()]
+        self.head = shards.get(self.names.head_weight(), self.embed) if not d.tied else self.embed
         self.dtype, self.device = self.embed.dtype, self.embed.device
         act = getattr(config, "hidden_act", None) or getattr(
             config, "activation_function", "gelu_new"
@@ -247,52 +243,52 @@ class TPCausalLM:
         return out.reshape(b, self.nq, t, hd).transpose(1, 2).reshape(b, t, self.nq * hd)
 
     def _llama_layer(self, i: int, x, cos, sin, cache, mask, slots):
-        w, p, hd = self.w, f"model.layers.{i}.", self.dims.head_dim
+        w, n, hd = self.w, self.names, self.dims.head_dim
         b, t, _ = x.shape
-        h = _rms_norm(x, w[p + "input_layernorm.weight"], self.eps)
-        q = F.linear(h, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
-        k = F.linear(h, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
-        v = F.linear(h, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
+        h = _rms_norm(x, w[n.param(i, "attn_norm")], self.eps)
+        q = F.linear(h, w[n.param(i, "q")], w.get(n.param(i, "q", "bias")))
+        k = F.linear(h, w[n.param(i, "k")], w.get(n.param(i, "k", "bias")))
+        v = F.linear(h, w[n.param(i, "v")], w.get(n.param(i, "v", "bias")))
         q = q.view(b, t, self.nq, hd).transpose(1, 2)
         k = k.view(b, t, self.nkv, hd).transpose(1, 2)
         v = v.view(b, t, self.nkv, hd).transpose(1, 2)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = _rope(q, k, c, s)
         o = self.tp.all_reduce(
-            F.linear(self._attend(q, k, v, i, cache, mask, slots), w[p + "self_attn.o_proj.weight"])
+            F.linear(self._attend(q, k, v, i, cache, mask, slots), w[n.param(i, "o")])
         )
-        if p + "self_attn.o_proj.bias" in w:
-            o = o + w[p + "self_attn.o_proj.bias"]
+        if n.param(i, "o", "bias") in w:
+            o = o + w[n.param(i, "o", "bias")]
         x = x + o
-        h = _rms_norm(x, w[p + "post_attention_layernorm.weight"], self.eps)
-        g = F.linear(h, w[p + "mlp.gate_proj.weight"], w.get(p + "mlp.gate_proj.bias"))
-        u = F.linear(h, w[p + "mlp.up_proj.weight"], w.get(p + "mlp.up_proj.bias"))
+        h = _rms_norm(x, w[n.param(i, "mlp_norm")], self.eps)
+        g = F.linear(h, w[n.param(i, "gate")], w.get(n.param(i, "gate", "bias")))
+        u = F.linear(h, w[n.param(i, "up")], w.get(n.param(i, "up", "bias")))
         a = _silu_mul(g, u) if self.silu else self.act(g) * u
-        m = self.tp.all_reduce(F.linear(a, w[p + "mlp.down_proj.weight"]))
-        if p + "mlp.down_proj.bias" in w:
-            m = m + w[p + "mlp.down_proj.bias"]
+        m = self.tp.all_reduce(F.linear(a, w[n.param(i, "down")]))
+        if n.param(i, "down", "bias") in w:
+            m = m + w[n.param(i, "down", "bias")]
         return x + m
 
     def _gpt2_layer(self, i: int, x, cache, mask, slots):
-        w, p, hd = self.w, f"transformer.h.{i}.", self.dims.head_dim
+        w, n, hd = self.w, self.names, self.dims.head_dim
         b, t, hidden = x.shape
-        h = F.layer_norm(x, (hidden,), w[p + "ln_1.weight"], w[p + "ln_1.bias"], self.eps)
-        qkv = torch.addmm(
-            w[p + "attn.c_attn.bias"], h.view(-1, hidden), w[p + "attn.c_attn.weight"]
-        )
+        ln_1 = (w[n.param(i, "attn_norm")], w[n.param(i, "attn_norm", "bias")])
+        h = F.layer_norm(x, (hidden,), *ln_1, self.eps)
+        qkv = torch.addmm(w[n.param(i, "qkv", "bias")], h.view(-1, hidden), w[n.param(i, "qkv")])
         q, k, v = qkv.view(b, t, 3 * self.nq * hd).split(self.nq * hd, dim=2)
         q, k, v = (z.view(b, t, self.nq, hd).transpose(1, 2) for z in (q, k, v))
         a = self._attend(q, k, v, i, cache, mask, slots)
         o = (
-            self.tp.all_reduce(a.view(-1, a.shape[-1]) @ w[p + "attn.c_proj.weight"])
-            + w[p + "attn.c_proj.bias"]
+            self.tp.all_reduce(a.view(-1, a.shape[-1]) @ w[n.param(i, "o")])
+            + w[n.param(i, "o", "bias")]
         )
         x = x + o.view(b, t, hidden)
-        h = F.layer_norm(x, (hidden,), w[p + "ln_2.weight"], w[p + "ln_2.bias"], self.eps)
+        ln_2 = (w[n.param(i, "mlp_norm")], w[n.param(i, "mlp_norm", "bias")])
+        h = F.layer_norm(x, (hidden,), *ln_2, self.eps)
         f = self.act(
-            torch.addmm(w[p + "mlp.c_fc.bias"], h.view(-1, hidden), w[p + "mlp.c_fc.weight"])
+            torch.addmm(w[n.param(i, "fc", "bias")], h.view(-1, hidden), w[n.param(i, "fc")])
         )
-        m = self.tp.all_reduce(f @ w[p + "mlp.c_proj.weight"]) + w[p + "mlp.c_proj.bias"]
+        m = self.tp.all_reduce(f @ w[n.param(i, "proj")]) + w[n.param(i, "proj", "bias")]
         return x + m.view(b, t, hidden)
 
     @torch.no_grad()
@@ -325,17 +321,17 @@ class TPCausalLM:
             cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
             for i in range(self.dims.num_layers):
                 x = self._llama_layer(i, x, cos, sin, cache, mask, slots)
-            x = _rms_norm(x[:, -1], self.w["model.norm.weight"], self.eps)
+            x = _rms_norm(x[:, -1], self.w[f"{self.names.norm()}weight"], self.eps)
         else:
-            x = x + F.embedding(positions, self.w["transformer.wpe.weight"])
+            x = x + F.embedding(positions, self.w[f"{self.names.base}wpe.weight"])
             for i in range(self.dims.num_layers):
                 x = self._gpt2_layer(i, x, cache, mask, slots)
             hdim = x.shape[-1]
             x = F.layer_norm(
                 x[:, -1],
                 (hdim,),
-                self.w["transformer.ln_f.weight"],
-                self.w["transformer.ln_f.bias"],
+                self.w[f"{self.names.norm()}weight"],
+                self.w[f"{self.names.norm()}bias"],
                 self.eps,
             )
         return self.tp.gather_last_dim(F.linear(x, self.head))

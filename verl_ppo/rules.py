@@ -1,0 +1,444 @@
+"""Every rule of the PPO config that looks past one field, in one table.
+
+A :class:`Rule` reads the validated config and the :class:`Facts` of the job (the ZeRO
+stages it runs, and, once known, the device and the policy model) and returns what is
+wrong, naming the keys as the user wrote them with their values, or None; its fix is
+written beside it. :data:`RULES` holds them all.
+
+The ``auto`` switches have their own table, :data:`SWITCHES`: for each, what blocks it
+(the config, the device, the model). :func:`verl_ppo.fast_path.resolve` turns an ``auto``
+off where something blocks it, and :func:`check` refuses an explicit ``true`` with the
+same reason, so a rule is never written twice.
+
+:func:`check` runs both tables. It runs three times on the same code: when a config is
+built (:func:`verl_ppo.config.build_config`: stages resolved, device and model not judged
+yet), in :func:`verl_ppo.preflight.preflight` and when the trainer resolves its job (device
+and model known). Nothing here imports the trainer or builds a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from verl_ppo.errors import ConfigError
+
+PP_KEY = "actor.model_config.hybrid_engine.training_sharding.pipeline_parallel_size"
+PIPELINE_ZERO_STAGES = (0, 1)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the rules read besides the config.
+
+    Attributes:
+        actor_stage, critic_stage: the ZeRO stages the job runs (``auto`` resolved).
+        cuda: the job runs on CUDA; None = not judged yet (a config being built: the
+            device is judged by preflight and the trainer, which know the model too).
+        model: :class:`verl_ppo.fast_path.ModelFacts` of the policy, or None (not known).
+    """
+
+    actor_stage: int
+    critic_stage: int
+    cuda: bool | None = None
+    model: Any = None
+
+    def stage(self, role: str) -> int:
+        """The ZeRO stage of ``role`` (``actor`` or ``critic``)."""
+        return self.actor_stage if role == "actor" else self.critic_stage
+
+
+def pipeline_degree(cfg: Any) -> int:
+    """``actor.model_config.hybrid_engine.training_sharding.pipeline_parallel_size``."""
+    return int(cfg.actor.model_config_.hybrid_engine.training_sharding.pipeline_parallel_size)
+
+
+def trained_roles(cfg: Any) -> tuple[str, ...]:
+    """The roles with an optimizer: the actor, and the critic under GAE."""
+    return ("actor", "critic") if cfg.algorithm.adv_estimator == "gae" else ("actor",)
+
+
+def several_updates(cfg: Any) -> str | None:
+    """Why the policy is updated more than once per rollout (None: once, which is what
+    ``algorithm.old_log_prob: bypass`` needs; see :func:`verl_ppo.fast_path.resolve`)."""
+    t = cfg.train
+    if t.ppo_epochs == 1 and t.rollout_batch_size == t.ppo_mini_batch_size:
+        return None
+    return (
+        f"ppo_epochs={t.ppo_epochs}, {t.rollout_batch_size // t.ppo_mini_batch_size} mini-batches"
+    )
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: ``problem(cfg, facts)`` says what is wrong (or None); ``fix`` how to fix it."""
+
+    keys: tuple[str, ...]
+    problem: Callable[[Any, Facts], str | None]
+    fix: str
+
+    def message(self, cfg: Any, facts: Facts) -> str | None:
+        """``"<problem>: <fix>"``, or None when the rule holds."""
+        p = self.problem(cfg, facts)
+        return None if p is None else f"{p}: {self.fix}"
+
+
+def _per_role(keys: str, problem: Callable[[Any, Facts, str], str | None], fix: str) -> list[Rule]:
+    """One :class:`Rule` per role; ``{role}`` in ``keys`` and ``fix`` names it."""
+    return [
+        Rule(
+            tuple(k.format(role=r) for k in keys.split()),
+            lambda cfg, f, r=r: problem(cfg, f, r),
+            fix.format(role=r),
+        )
+        for r in ("actor", "critic")
+    ]
+
+
+def _pp(cfg: Any, what: str, why: str) -> str | None:
+    """``"<what> with <PP_KEY>=<pp>: <why>"`` for a pipeline run, else None."""
+    pp = pipeline_degree(cfg)
+    return None if pp == 1 else f"{what} with {PP_KEY}={pp}: {why}"
+
+
+def _task(cfg: Any, f: Facts) -> str | None:
+    from verl_ppo.data.tasks import TASKS
+
+    v = cfg.data.task
+    return None if v in TASKS else f"data.task: unknown task {v!r} (tasks: {sorted(TASKS)})"
+
+
+def _registered(key: str) -> Callable[[Any, Facts], str | None]:
+    def problem(cfg: Any, f: Facts) -> str | None:
+        from verl_ppo.algorithms import POLICY_LOSSES, REWARD_SHAPERS
+
+        registry = {"policy_loss": POLICY_LOSSES, "reward_shaping": REWARD_SHAPERS}[key]
+        v = getattr(cfg.algorithm, key)
+        if v in registry:
+            return None
+        return f"algorithm.{key}: unknown {key} {v!r} (registered: {sorted(registry)})"
+
+    return problem
+
+
+def _loggers(cfg: Any, f: Facts) -> str | None:
+    from verl_ppo.tracking import missing_backends
+
+    v = cfg.train.logger
+    if len(set(v)) != len(v):
+        return f"train.logger lists a backend twice: {v}"
+    problems = missing_backends(v)
+    return "; ".join(problems) if problems else None
+
+
+def _profiler_steps(cfg: Any, f: Facts) -> str | None:
+    pr, n = cfg.profiler, cfg.train.num_steps
+    bad = [s for s in pr.steps if not 1 <= s <= n] if pr.enable else []
+    if not bad:
+        return None
+    return (
+        f"profiler.steps {bad} outside 1..train.num_steps={n} (steps are numbered as in the "
+        "log, from 1)"
+    )
+
+
+def _profiler_dir(cfg: Any, f: Facts) -> str | None:
+    from verl_comm.profiler.core import check_output_dir
+
+    problem = check_output_dir(cfg.profiler.output_dir) if cfg.profiler.enable else None
+    return None if problem is None else f"profiler.output_dir: {problem}"
+
+
+def _offload_stage(cfg: Any, f: Facts, role: str) -> str | None:
+    if not getattr(cfg, role).offload_optimizer or f.stage(role) != 0:
+        return None
+    return (
+        f"{role}.offload_optimizer=true needs {role}.zero_stage 1, 2 or 3 (DeepSpeed offloads "
+        "the ZeRO optimizer state), got 0"
+    )
+
+
+def _offload_compression(cfg: Any, f: Facts, role: str) -> str | None:
+    method = cfg.compression.gradient_compression
+    if not getattr(cfg, role).offload_optimizer or method == "none":
+        return None
+    return (
+        f"{role}.offload_optimizer=true cannot be combined with gradient_compression={method}: "
+        "with offload, DeepSpeed's ZeRO optimizer copies gradients to the CPU inside its own "
+        "reduction, so no comm hook can compress them (verl_ppo/grad_comm.py)"
+    )
+
+
+def _compression_stage(cfg: Any, f: Facts, role: str) -> str | None:
+    from verl_ppo.grad_comm import SUPPORTED_STAGES, UNSUPPORTED_STAGE_REASON
+
+    method, stage = cfg.compression.gradient_compression, f.stage(role)
+    if method == "none" or role not in trained_roles(cfg) or stage in SUPPORTED_STAGES:
+        return None
+    return (
+        f"gradient_compression={method} needs {role}.zero_stage 0 or 1, got {stage}: "
+        f"{UNSUPPORTED_STAGE_REASON}"
+    )
+
+
+def _pp_stage(cfg: Any, f: Facts, role: str) -> str | None:
+    z = f.stage(role)
+    if z in PIPELINE_ZERO_STAGES:
+        return None
+    return _pp(
+        cfg,
+        f"{role}.zero_stage={z}",
+        "DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only (ZeRO-2/3 partition "
+        "gradients/weights across the micro-batches it schedules)",
+    )
+
+
+def _pp_offload(cfg: Any, f: Facts, role: str) -> str | None:
+    if not getattr(cfg, role).offload_optimizer:
+        return None
+    return _pp(cfg, f"{role}.offload_optimizer", "untested with the pipeline engine here")
+
+
+def _pp_tiny(cfg: Any, f: Facts) -> str | None:
+    from verl_ppo.model_family import LLAMA_FAMILY
+
+    tiny = cfg.model.tiny
+    if tiny is None or tiny.get("model_type", "llama") in LLAMA_FAMILY:
+        return None
+    return _pp(
+        cfg,
+        f"model.tiny.model_type={tiny.get('model_type')!r}",
+        f"pipeline layers exist for {LLAMA_FAMILY}",
+    )
+
+
+def _pp_budget(cfg: Any, f: Facts) -> str | None:
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is None or budget == "auto":
+        return None
+    return _pp(
+        cfg,
+        f"train.max_tokens_per_micro_batch={budget}",
+        "pipeline micro-batches have a fixed number of sequences (DeepSpeed's schedule)",
+    )
+
+
+def _pp_compression(cfg: Any, f: Facts) -> str | None:
+    comp = cfg.compression.gradient_compression
+    if comp == "none":
+        return None
+    return _pp(
+        cfg,
+        f"gradient_compression={comp!r}",
+        "DeepSpeed's pipeline engine runs every backward, the tied-embedding all-reduce, its "
+        "data-parallel all-reduce and the optimizer step inside one train_batch() call, with no "
+        "point between the last micro-batch's backward and the step where verl_comm's reducer "
+        "could write its averaged gradients back",
+    )
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("data.task",), _task, "set data.task to one of those"),
+    Rule(("algorithm.policy_loss",), _registered("policy_loss"), "choose one of those"),
+    Rule(("algorithm.reward_shaping",), _registered("reward_shaping"), "choose one of those"),
+    Rule(("train.logger",), _loggers, "list each backend once, installed"),
+    Rule(
+        ("algorithm.adv_estimator", "algorithm.n_samples"),
+        lambda c, f: None if c.algorithm.adv_estimator != "grpo" or c.algorithm.n_samples >= 2
+        else "algorithm.adv_estimator=grpo needs algorithm.n_samples >= 2 "
+        f"(got {c.algorithm.n_samples})",
+        "set algorithm.n_samples=4, or use gae",
+    ),
+    Rule(
+        ("algorithm.kl.use_kl_in_reward", "algorithm.kl.use_kl_loss"),
+        lambda c, f: "algorithm.kl.use_kl_in_reward and algorithm.kl.use_kl_loss are both true"
+        if c.algorithm.kl.use_kl_in_reward and c.algorithm.kl.use_kl_loss else None,
+        "choose one place for the KL term",
+    ),
+    Rule(
+        ("train.rollout_batch_size", "algorithm.n_samples"),
+        lambda c, f: None if c.train.rollout_batch_size % c.algorithm.n_samples == 0
+        else f"train.rollout_batch_size={c.train.rollout_batch_size} is not a multiple of "
+        f"algorithm.n_samples={c.algorithm.n_samples}",
+        "make train.rollout_batch_size a multiple of algorithm.n_samples",
+    ),
+    Rule(
+        ("train.rollout_batch_size", "train.ppo_mini_batch_size"),
+        lambda c, f: None if c.train.rollout_batch_size % c.train.ppo_mini_batch_size == 0
+        else f"train.rollout_batch_size={c.train.rollout_batch_size} is not a multiple of "
+        f"train.ppo_mini_batch_size={c.train.ppo_mini_batch_size}",
+        "make train.rollout_batch_size a multiple of train.ppo_mini_batch_size",
+    ),
+    Rule(
+        ("algorithm.old_log_prob", "train.ppo_epochs", "train.ppo_mini_batch_size"),
+        lambda c, f: None if c.algorithm.old_log_prob != "bypass" or not several_updates(c)
+        else "algorithm.old_log_prob=bypass needs one PPO epoch and one mini-batch "
+        f"({several_updates(c)})",
+        "set algorithm.old_log_prob=forward or auto",
+    ),
+    *_per_role("{role}.offload_optimizer {role}.zero_stage", _offload_stage,
+               "set {role}.zero_stage=1"),
+    *_per_role("{role}.offload_optimizer gradient_compression", _offload_compression,
+               "set gradient_compression=none, or {role}.offload_optimizer=false"),
+    *_per_role("gradient_compression {role}.zero_stage", _compression_stage,
+               "set {role}.zero_stage=1, or gradient_compression=none"),
+    Rule(
+        ("train.export_critic", "algorithm.adv_estimator"),
+        lambda c, f: None if not c.train.export_critic or c.algorithm.adv_estimator == "gae"
+        else f"train.export_critic=true but algorithm.adv_estimator="
+        f"{c.algorithm.adv_estimator} trains no critic",
+        "set train.export_critic=false",
+    ),
+    Rule(("profiler.steps", "train.num_steps"), _profiler_steps,
+         "nothing would be profiled there; list steps in that range"),
+    Rule(("profiler.output_dir",), _profiler_dir, "pass a writable folder"),
+    Rule(
+        (PP_KEY, "actor.model_config.hybrid_engine.enable"),
+        lambda c, f: None if c.actor.model_config_.hybrid_engine.enable
+        else _pp(c, "actor.model_config.hybrid_engine.enable: false", "no rank holds the "
+                 "whole policy, so responses are generated by the TP rollout model the hybrid "
+                 "engine builds from the stages"),
+        "set actor.model_config.hybrid_engine.enable: true",
+    ),
+    *_per_role(f"{PP_KEY} {{role}}.zero_stage", _pp_stage, "set {role}.zero_stage: 1"),
+    *_per_role(f"{PP_KEY} {{role}}.offload_optimizer", _pp_offload,
+               "set {role}.offload_optimizer: false"),
+    Rule((PP_KEY, "gradient_compression"), _pp_compression,
+         "set gradient_compression: none, or pipeline_parallel_size: 1"),
+    Rule((PP_KEY, "train.max_tokens_per_micro_batch"), _pp_budget,
+         "set max_tokens_per_micro_batch: auto or null"),
+    Rule(
+        (PP_KEY, "model.gradient_checkpointing"),
+        lambda c, f: None if not c.model.gradient_checkpointing
+        else _pp(c, "model.gradient_checkpointing", "not wired to the pipeline engine's "
+                 "activation checkpointing"),
+        "set gradient_checkpointing: false",
+    ),
+    Rule((PP_KEY, "model.tiny.model_type"), _pp_tiny, "use a Llama-family model_type"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Switch:
+    """An ``auto``/true/false setting: ``blocked(cfg, facts, auto)`` says why it cannot
+    apply (None: it can; ``auto``: the value is ``auto``, some reasons only turn ``auto``
+    off and let an explicit ``true`` run)."""
+
+    key: str
+    blocked: Callable[[Any, Facts, bool], str | None]
+    fix: str = "set it to auto or false"
+
+    def value(self, cfg: Any) -> Any:
+        """The value as written (``auto``, True or False)."""
+        node = cfg
+        for part in self.key.split("."):
+            node = getattr(node, part)
+        return node
+
+
+def _cuda_graph(cfg: Any, f: Facts, auto: bool) -> str | None:
+    pp = pipeline_degree(cfg)
+    if pp > 1:
+        return (
+            f"{PP_KEY}={pp}: generation runs on the TP rollout model, which does not capture "
+            "CUDA graphs"
+        )
+    if f.cuda is False:
+        return "no CUDA device"
+    if f.model is not None and f.model.static_decoding is not None:
+        return f.model.static_decoding
+    if f.actor_stage == 3 and not cfg.actor.model_config_.hybrid_engine.enable:
+        return "ZeRO-3 partitions the weights the graph reads (enable the hybrid engine)"
+    return None
+
+
+def _packing(cfg: Any, f: Facts, auto: bool) -> str | None:
+    pp = pipeline_degree(cfg)
+    if pp > 1:
+        return (
+            f"{PP_KEY}={pp}: pipeline micro-batches have a fixed number of sequences "
+            "(DeepSpeed's schedule)"
+        )
+    attn = None if f.model is None else f.model.attention
+    if auto and attn is not None and "flash" not in attn:  # set: any attention (dense mask)
+        return (
+            f"attention is {attn}: a packed row needs a dense (T, T) mask; flash-attention "
+            "runs it varlen"
+        )
+    return None
+
+
+def _fused_head(cfg: Any, f: Facts, auto: bool) -> str | None:
+    pp = pipeline_degree(cfg)
+    if pp > 1:
+        return (
+            f"{PP_KEY}={pp}: the log-probs are the pipeline's loss function on the last "
+            "stage's logits"
+        )
+    if f.model is not None and f.model.fused_head is not None:
+        return f.model.fused_head
+    if f.actor_stage == 3:
+        return "ZeRO-3 partitions the LM head weight"
+    return None
+
+
+def _compile(cfg: Any, f: Facts, auto: bool) -> str | None:
+    pp = pipeline_degree(cfg)
+    if pp > 1:
+        return (
+            f"{PP_KEY}={pp}: the pipeline stages run DeepSpeed's PipelineModule layers, which "
+            "are not compiled"
+        )
+    if f.cuda is False:
+        return "no CUDA device (inductor on the CPU would build C++ on every new host)"
+    if f.model is not None and not f.model.decoder_layers:
+        return f"{f.model.class_name} has no decoder layer list to compile"
+    if any(f.stage(r) == 3 for r in trained_roles(cfg)):
+        return (
+            "ZeRO-3 gathers each layer's parameters in module hooks, which the compiled layer "
+            "call would trace (not supported here)"
+        )
+    if auto and cfg.model.gradient_checkpointing:
+        return "model.gradient_checkpointing (compiled recomputation not measured here)"
+    return None
+
+
+def _fused_adamw(cfg: Any, f: Facts, auto: bool) -> str | None:
+    return "no CUDA device (foreach AdamW)" if f.cuda is False else None
+
+
+SWITCHES: tuple[Switch, ...] = (
+    Switch("rollout.use_cuda_graph", _cuda_graph),
+    Switch("train.sequence_packing", _packing, "set it to auto"),
+    Switch("train.fused_log_probs", _fused_head),
+    Switch("train.torch_compile", _compile),
+    Switch("actor.optim.fused", _fused_adamw),
+    Switch("critic.optim.fused", _fused_adamw),
+)
+
+
+def switch_message(switch: Switch, why: str) -> str:
+    """The refusal of an explicit ``true`` that ``why`` blocks."""
+    return f"{switch.key}=true cannot apply: {why}; {switch.fix}"
+
+
+def problems(cfg: Any, facts: Facts) -> list[str]:
+    """Every broken rule of :data:`RULES` and every explicit ``true`` of :data:`SWITCHES`
+    that cannot apply, as messages naming the keys and the fix."""
+    out = [m for rule in RULES if (m := rule.message(cfg, facts)) is not None]
+    for s in SWITCHES:
+        if s.value(cfg) is True and (why := s.blocked(cfg, facts, False)) is not None:
+            out.append(switch_message(s, why))
+    return out
+
+
+def check(cfg: Any, facts: Facts) -> None:
+    """Run both tables.
+
+    Raises:
+        ConfigError: every problem found, ``"; "``-separated.
+    """
+    found = problems(cfg, facts)
+    if found:
+        raise ConfigError("; ".join(found))
