@@ -56,7 +56,8 @@ def launch(cfg: Any, config_path: str | None, overrides: list[str]) -> int:
         return 2
     try:
         try:
-            for line in prepare_run_dir(cfg.run_dir, cfg.train.resume):
+            dumped = cfg.model_dump(by_alias=True, mode="json")
+            for line in prepare_run_dir(cfg.run_dir, cfg.train.resume, dumped):
                 print(f"verl-ppo: {line}", file=sys.stderr)
         except RunDirError as exc:
             print(f"verl-ppo: {exc}", file=sys.stderr)

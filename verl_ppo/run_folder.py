@@ -12,6 +12,10 @@
   ``metrics.jsonl``, ``checkpoints/`` and the ``tensorboard/`` and ``wandb/`` logger folders
   are renamed aside with a UTC time stamp
   (``metrics.jsonl.old-20261201T181500Z``), nothing is deleted.
+- **Resume checks the config**: before a resume, the new resolved config is compared with
+  the run's ``config.yaml`` (:mod:`verl_ppo.resume_check`): a key that cannot change
+  mid-run (model, task, algorithm, compression, layouts) refuses the job with the list of
+  differences and the ways out; keys that may change (steps, logging, intervals) are logged.
 - **Stop** (:class:`StopRequest`): SIGINT and SIGTERM set a flag; at the next step boundary
   every rank learns of it through one small all-reduce, the trainer saves a checkpoint and
   exits with ``128 + signal``. Bound: the rest of the current step plus one checkpoint write;
@@ -26,6 +30,7 @@ import fcntl
 import json
 import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,16 +104,28 @@ def _stamp() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
-def prepare_run_dir(run_dir: str | Path, resume: str) -> list[str]:
+def prepare_run_dir(
+    run_dir: str | Path, resume: str, config: Mapping[str, Any] | None = None
+) -> list[str]:
     """Apply the fresh-start policy of ``train.resume`` to ``run_dir`` (caller holds the lock).
 
+    Args:
+        run_dir: the run folder.
+        resume: ``train.resume``.
+        config: the new job's resolved config (``model_dump(mode="json", by_alias=True)``);
+            when given and a checkpoint will be resumed, it is compared with the run's
+            ``config.yaml`` (:func:`verl_ppo.resume_check.check_resume_config`).
+
     Returns:
-        Lines to log (what was moved aside); empty when nothing was done.
+        Lines to log (what was moved aside, config keys changed on resume); empty when
+        nothing was done.
 
     Raises:
-        RunDirError: ``resume=auto``, ``metrics.jsonl`` present and no complete checkpoint.
+        RunDirError: ``resume=auto``, ``metrics.jsonl`` present and no complete checkpoint;
+            or a resume would change a key that cannot change mid-run.
     """
     from verl_ppo.checkpoint import latest_checkpoint
+    from verl_ppo.resume_check import ResumeConfigError, check_resume_config
 
     root = Path(run_dir)
     metrics = root / "metrics.jsonl"
@@ -121,7 +138,13 @@ def prepare_run_dir(run_dir: str | Path, resume: str) -> list[str]:
                 "resume from; pass train.resume=never to start over (the old metrics.jsonl "
                 "is kept aside), or choose another run_dir"
             )
-        return []
+        latest = latest_checkpoint(ckpt_root)
+        if config is None or latest is None:
+            return []
+        try:
+            return check_resume_config(root, config, latest.name)
+        except ResumeConfigError as exc:
+            raise RunDirError(str(exc)) from None
     moved = []
     stamp = _stamp()
     for path in (metrics, ckpt_root, root / "tensorboard", root / "wandb"):  # train.logger
@@ -130,6 +153,22 @@ def prepare_run_dir(run_dir: str | Path, resume: str) -> list[str]:
             os.replace(path, aside)
             moved.append(f"train.resume=never: moved {path} aside to {aside}")
     return moved
+
+
+def logged_eval_start(run_dir: str | Path) -> float | None:
+    """The step-0 ``eval/reward`` in ``run_dir/metrics.jsonl`` (None when absent): the start
+    of a resumed run's ``eval START -> END`` summary."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("step") == 0 and row.get("eval/reward") is not None:
+            return float(row["eval/reward"])
+    return None
 
 
 class StopRequest:

@@ -52,7 +52,7 @@ from verl_ppo.monitor import PrometheusMonitor
 from verl_ppo.pipeline.checks import check_pipeline_world, pipeline_degree
 from verl_ppo.report import RunSummary, format_samples
 from verl_ppo.reshard.hybrid import HybridEngine
-from verl_ppo.run_folder import StopRequest
+from verl_ppo.run_folder import StopRequest, logged_eval_start
 from verl_ppo.tracking import build_tracking
 from verl_ppo.trainer_build import TrainerBuildMixin, _resolve_dtype
 from verl_ppo.trainer_run_dir import TrainerRunDirMixin
@@ -207,7 +207,9 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
             self.setup()
         cfg = self.config
         method = cfg.compression.gradient_compression
-        summary = RunSummary(method, cfg.compression.start_iter, self.world)
+        summary = RunSummary(method, cfg.compression.start_iter, self.world, self.step or None)
+        if self.step and self.rank == 0:  # the step-0 eval of the run being resumed
+            summary.eval_start = logged_eval_start(cfg.run_dir)
         t0 = float(os.environ.get("VERL_PPO_T0", self._t_setup))
         total = num_steps if num_steps is not None else cfg.train.num_steps
         want_eval = cfg.data.eval_size > 0
@@ -243,6 +245,8 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
                 self.profiler.step()
                 self.step += 1
                 summary.observe(m)
+                if summary.resumed_at:
+                    m["run/resumed_from_step"] = summary.resumed_at
                 if want_eval and (
                     self.step == total
                     or (cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0)

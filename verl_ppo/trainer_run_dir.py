@@ -52,7 +52,8 @@ class TrainerRunDirMixin:
         if self.rank == 0:
             try:
                 self._lock = RunDirLock(cfg.run_dir).acquire()
-                for line in prepare_run_dir(cfg.run_dir, cfg.train.resume):
+                dumped = cfg.model_dump(mode="json", by_alias=True)
+                for line in prepare_run_dir(cfg.run_dir, cfg.train.resume, dumped):
                     self.log.info("%s", line)
             except RunDirError as exc:
                 error = str(exc)

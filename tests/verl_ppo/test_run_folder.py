@@ -93,3 +93,60 @@ def test_stop_request_records_the_first_signal():
         assert stop.agreed() == signal.SIGTERM  # no process group: this rank's own flag
     finally:
         stop.restore()
+
+
+def _run_with_config(tmp_path, **overrides):
+    import yaml
+
+    from verl_ppo.config import build_config
+
+    cfg = build_config({}, run_dir=str(tmp_path))
+    (tmp_path / "config.yaml").write_text(
+        yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True))
+    )
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/reward": 0.25}\n{"step": 1}\n')
+    _fake_checkpoint(tmp_path, 1)
+    return build_config({}, run_dir=str(tmp_path), **overrides).model_dump(
+        mode="json", by_alias=True
+    )
+
+
+def test_resume_refuses_a_changed_fixed_key_with_the_ways_out(tmp_path):
+    new = _run_with_config(
+        tmp_path, gradient_compression="int8", compression_rank=64, **{"train.num_steps": 10}
+    )
+    with pytest.raises(RunDirError) as err:
+        prepare_run_dir(tmp_path, "auto", new)
+    msg = str(err.value)
+    assert "compression.gradient_compression: none -> int8" in msg
+    assert "compression.compression_rank: null -> 64" in msg
+    assert "train.num_steps" not in msg  # may change: not a reason to refuse
+    assert "train.resume=never" in msg and "another run_dir" in msg
+    assert "step_000001" in msg
+
+
+def test_resume_logs_the_keys_that_may_change(tmp_path):
+    new = _run_with_config(tmp_path, **{"train.num_steps": 10, "train.eval_interval": 5})
+    lines = prepare_run_dir(tmp_path, "auto", new)
+    assert any("train.num_steps: 8 -> 10" in x for x in lines), lines
+    assert any("train.eval_interval: 0 -> 5" in x for x in lines), lines
+    same = tmp_path / "same"
+    same.mkdir()
+    assert prepare_run_dir(same, "auto", _run_with_config(same)) == []  # nothing changed
+
+
+def test_resume_rules_table_classifies_by_longest_prefix():
+    from verl_ppo.resume_check import rule_for
+
+    assert rule_for("train.num_steps")[0] and rule_for("comm.timeout_s")[0]
+    for key in ("train.rollout_batch_size", "comm.nproc", "model.path", "actor.zero_stage"):
+        assert not rule_for(key)[0], key
+    assert not rule_for("a.key.nobody.classified")[0]  # unknown: fixed until decided
+
+
+def test_logged_eval_start_reads_the_step_zero_eval(tmp_path):
+    from verl_ppo.run_folder import logged_eval_start
+
+    assert logged_eval_start(tmp_path) is None
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/reward": 0.25}\n{"step": 1}\n')
+    assert logged_eval_start(tmp_path) == 0.25  # the value written, read back as written
