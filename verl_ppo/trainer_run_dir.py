@@ -100,7 +100,9 @@ class TrainerRunDirMixin:
         return self.ckpt.save(self.step, self.engines, self._trainer_state())
 
     def _maybe_resume(self) -> None:
-        path = self.ckpt.latest()
+        path, skipped = self.ckpt.resume_point()  # verified; every rank the same
+        for line in skipped:
+            self.log.warning("%s", line)
         if path is None:
             return
         state = self.ckpt.load(path, self.engines)
