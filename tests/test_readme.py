@@ -30,3 +30,28 @@ def test_commands_reference_existing_files():
     cfg = re.search(r"--config (\S+)", train_cmd).group(1)
     assert (ROOT / cfg).is_file()
     assert (ROOT / ".ci" / "setup").is_file()
+
+
+def test_export_lines_run_on_the_default_job():
+    """Each ``verl-ppo export`` line of the README parses, names a step the default job
+    keeps a checkpoint of, and asks for a critic only if the default job has one."""
+    import shlex
+
+    from verl_ppo.config import load_config
+    from verl_ppo.export import build_parser
+
+    cfg = load_config(ROOT / "configs" / "default.yaml")
+    t = cfg.train
+    saved = {s for s in range(1, t.num_steps + 1) if t.save_interval and s % t.save_interval == 0}
+    kept = sorted(saved | {t.num_steps})[-t.keep_last_checkpoints :]
+    lines = [
+        x.split("#")[0].strip()
+        for x in (ROOT / "README.md").read_text().splitlines()
+        if x.startswith("verl-ppo export")
+    ]
+    assert lines
+    for line in lines:
+        args = build_parser().parse_args(shlex.split(line)[2:])
+        assert args.run_dir.rstrip("/") == cfg.run_dir, line
+        assert args.step is None or args.step in kept, (line, kept)
+        assert not args.critic or cfg.algorithm.adv_estimator == "gae", line
