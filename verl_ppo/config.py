@@ -417,12 +417,15 @@ class PPOConfig(_Strict):
         if t.rollout_batch_size % a.n_samples:
             raise ValueError(
                 f"train.rollout_batch_size={t.rollout_batch_size} is not a multiple of "
-                f"algorithm.n_samples={a.n_samples}"
+                f"algorithm.n_samples={a.n_samples}: set train.rollout_batch_size="
+                f"{-(-t.rollout_batch_size // a.n_samples) * a.n_samples}, or "
+                f"algorithm.n_samples to one of {_divisors(t.rollout_batch_size)}"
             )
         if t.rollout_batch_size % t.ppo_mini_batch_size:
             raise ValueError(
                 f"train.rollout_batch_size={t.rollout_batch_size} is not a multiple of "
-                f"train.ppo_mini_batch_size={t.ppo_mini_batch_size}"
+                f"train.ppo_mini_batch_size={t.ppo_mini_batch_size}: set "
+                f"train.ppo_mini_batch_size to one of {_divisors(t.rollout_batch_size)}"
             )
         for role in ("actor", "critic"):
             rc = getattr(self, role)
@@ -551,14 +554,38 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _format_validation_error(exc: ValidationError) -> str:
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys a user may write in the section ``loc`` names (aliases as written; at the
+    top level the compression keys too)."""
+    model: Any = PPOConfig
+    for part in loc:
+        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    keys = [f.alias or n for n, f in model.model_fields.items()]
+    return keys + (list(CompressionConfig.model_fields) if model is PPOConfig else [])
+
+
+def _format_validation_error(exc: ValidationError, lifted: frozenset[str] = frozenset()) -> str:
+    """One line per error: the key as the user typed it (``lifted``: compression keys
+    written at top level), pydantic's ``Value error,`` and ``<root>`` dropped, a "did you
+    mean" for a misspelled key (``difflib``)."""
+    import difflib
+
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if p != "__root__")
-        msg = err["msg"]
+        parts = [p for p in err["loc"] if p != "__root__"]
+        if len(parts) >= 2 and parts[0] == "compression" and parts[1] in lifted:
+            parts = parts[1:]  # written at top level: name it so
+        loc = ".".join(str(p) for p in parts)
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see configs/default.yaml for valid keys)"
-        lines.append(f"  {loc or '<root>'}: {msg}")
+            close = difflib.get_close_matches(str(parts[-1]), _keys_at(tuple(parts[:-1])), n=1)
+            hint = f"did you mean {'.'.join([*map(str, parts[:-1]), close[0]])}?" if close else ""
+            msg = f"unknown key; {hint or 'check the spelling'} (see configs/default.yaml)"
+        lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
     return "invalid configuration:\n" + "\n".join(lines)
 
 
@@ -598,6 +625,46 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _lift(layer: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """One source of config (a file, its overrides) with its top-level compression keys
+    moved into ``compression``; returns it and the keys written at top level.
+
+    Raises:
+        ConfigError: one key written both ways in the same source with different values.
+    """
+    keys = CompressionConfig.model_fields
+    top = {k: v for k, v in layer.items() if k in keys}
+    if not top or not isinstance(layer.get("compression", {}), (dict, type(None))):
+        return layer, set(top)
+    out = {k: v for k, v in layer.items() if k not in keys}
+    comp = dict(out.get("compression") or {})
+    for k, v in top.items():
+        if k in comp and comp[k] != v:
+            raise ConfigError(
+                f"{k} is given twice: {k}={v!r} and compression.{k}={comp[k]!r}; keep one"
+            )
+        comp[k] = v
+    out["compression"] = comp
+    return out, set(top)
+
+
+def _validate(layers: list[dict[str, Any]]) -> PPOConfig:
+    """Merge config sources in order (a later one wins, whichever way it spells a
+    compression key) and validate; errors name each key as the winning source wrote it."""
+    data: dict[str, Any] = {}
+    typed_top: set[str] = set()
+    for layer in layers:
+        lifted, top = _lift(layer)
+        comp = lifted.get("compression")
+        typed_top -= set(comp) - top if isinstance(comp, dict) else set()
+        typed_top |= top
+        data = deep_merge(data, lifted)
+    try:
+        return PPOConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, frozenset(typed_top))) from None
+
+
 def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOConfig:
     """Validate a dict, then apply keyword overrides of config fields.
 
@@ -608,7 +675,7 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOCon
     Raises:
         ConfigError: with one line per bad field.
     """
-    data = dict(data or {})
+    layers = [dict(data or {})]
     for key, value in overrides.items():
         nested: dict[str, Any] = {}
         node = nested
@@ -616,11 +683,8 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOCon
         for p in parts[:-1]:
             node = node.setdefault(p, {})
         node[parts[-1]] = value
-        data = deep_merge(data, nested)
-    try:
-        return PPOConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+        layers.append(nested)
+    return _validate(layers)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> PPOConfig:
@@ -646,6 +710,4 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
                 f"{type(loaded).__name__}"
             )
         data = loaded
-    if overrides:
-        data = deep_merge(data, parse_overrides(overrides))
-    return build_config(data)
+    return _validate([data, parse_overrides(overrides)] if overrides else [data])
