@@ -34,9 +34,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 LOCK_NAME = ".lock"
 
 
@@ -59,9 +56,13 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunDirLock:
-        """Take the lock without waiting and record this process's pid in the lock file."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the lock without waiting and record this process's pid in the lock file.
+
+        Raises:
+            RunDirError: in use (the holder's pid named), or ``run_dir`` is a file, lies
+                under a file, or cannot be written (the reason and a fix named).
+        """
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -77,6 +78,22 @@ class RunDirLock:
         os.fsync(fd)
         self._fd = fd
         return self
+
+    def _open(self) -> int:
+        folder = self.path.parent
+        try:
+            if folder.exists() and not folder.is_dir():
+                raise NotADirectoryError(f"{str(folder)!r} is a file")
+            folder.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            if isinstance(exc, (NotADirectoryError, FileExistsError)):
+                why = "it or a folder above it is a file, not a folder"
+            raise RunDirError(
+                f"run_dir {str(folder)!r} cannot be used: {why}; pass run_dir=<a folder you "
+                "can write> (e.g. run_dir=runs/my_run)"
+            ) from None
 
     def release(self) -> None:
         """Drop the lock (the file stays; its pid is stale and harmless)."""
@@ -98,6 +115,37 @@ def holder_pid(text: str) -> str:
         return str(int(json.loads(text)["pid"]))
     except (ValueError, KeyError, TypeError):
         return "?"
+
+
+def _peek_run_dir(config_path: str | None, overrides: list[str]) -> str | None:
+    """``run_dir`` as the last override or the YAML file sets it (None when neither does:
+    the default is :class:`verl_ppo.config.PPOConfig`'s); read with yaml alone."""
+    import yaml
+
+    for item in reversed(overrides):
+        key, sep, value = item.partition("=")
+        if sep and key.strip() == "run_dir" and value:
+            return value
+    try:
+        data = yaml.safe_load(Path(config_path).read_text()) if config_path else None
+    except (OSError, yaml.YAMLError):
+        return None  # load_config names the problem
+    value = data.get("run_dir") if isinstance(data, dict) else None
+    return str(value) if value else None
+
+
+def early_lock_check(config_path: str | None, overrides: list[str]) -> str | None:
+    """Before any heavy import: would ``run_dir`` (as the file and overrides name it) be
+    refused? Returns the message (busy, a file, unwritable) or None. The lock is taken and
+    given back; the launcher takes it for the job once the config is validated."""
+    run_dir = _peek_run_dir(config_path, overrides)
+    if run_dir is None or not (Path(run_dir).exists() or Path(run_dir).is_symlink()):
+        return None  # a folder that does not exist yet is nobody's
+    try:
+        RunDirLock(run_dir).acquire().release()
+    except RunDirError as exc:
+        return str(exc)
+    return None
 
 
 def _stamp() -> str:
@@ -213,6 +261,9 @@ class StopRequest:
         """
         if ctx is None or ctx.world_size == 1:
             return self.signum
+        import torch  # here, so that the run-dir lock is taken before any heavy import
+        import torch.distributed as dist
+
         t = torch.tensor([self.signum], dtype=torch.int64, device=ctx.device)
         ctx.all_reduce(t, op=dist.ReduceOp.MAX, group=group, name="stop request")
         return int(t.item())

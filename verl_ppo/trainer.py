@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from verl_comm.profiler import VerlProfiler
 from verl_comm.telemetry import CommRecorder
@@ -46,7 +45,7 @@ from verl_ppo.data.tasks import Task
 from verl_ppo.distributed import ensure_process_group, environment_findings
 from verl_ppo.experience_maker import ExperienceMaker
 from verl_ppo.launch import launch
-from verl_ppo.metrics import get_logger
+from verl_ppo.metrics import get_logger, progress_bar
 from verl_ppo.models import load_tokenizer
 from verl_ppo.monitor import PrometheusMonitor
 from verl_ppo.pipeline.checks import check_pipeline_world, pipeline_degree
@@ -230,9 +229,7 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
         elif self.step:
             self.log.info("resuming at step %d of %d", self.step, total)
         stop = StopRequest().install()
-        bar = tqdm(
-            total=total, initial=self.step, disable=self.rank != 0, desc="ppo", dynamic_ncols=True
-        )
+        bar = progress_bar(total, "ppo", initial=self.step, enabled=self.rank == 0)
         out = []
         saved_at = -1
         self.profiler.start(first_step=self.step + 1)  # numbered as in the log

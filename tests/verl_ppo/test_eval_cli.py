@@ -35,6 +35,9 @@ def test_eval_equals_trainer_step0_eval(tmp_path):
     assert res["cli"] == res["step0"]
     assert res["step0"] > 0  # SmolLM2 solves some of these one-digit sums: not a 0 == 0 match
     assert "mean reward" in r.stdout and "expected" in r.stdout  # summary line and table
+    # progress while it works, as plain lines when stderr is not a terminal
+    assert "verl-ppo eval: loading " in r.stderr and "verl-ppo eval: 4/4 prompts (" in r.stderr
+    assert "\r" not in r.stderr
 
 
 def test_generate_answers_in_the_chat_template(capsys):

@@ -150,3 +150,67 @@ def test_logged_eval_start_reads_the_step_zero_eval(tmp_path):
     assert logged_eval_start(tmp_path) is None
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/reward": 0.25}\n{"step": 1}\n')
     assert logged_eval_start(tmp_path) == 0.25  # the value written, read back as written
+
+
+def test_run_dir_that_is_a_file_or_unwritable_names_the_key_and_a_fix(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    for bad in (f, f / "below", "/proc/verl_ppo_no_such_dir"):
+        with pytest.raises(RunDirError) as err:
+            RunDirLock(bad).acquire()
+        msg = str(err.value)
+        assert msg.startswith(f"run_dir {str(bad)!r} cannot be used: ") and "pass run_dir=" in msg
+
+
+EARLY = """
+import sys, time
+t0 = time.perf_counter()
+from verl_ppo.train import main
+code = main(["--config", "configs/tiny.yaml", "run_dir=" + sys.argv[1]])
+print(code, round(time.perf_counter() - t0, 3), "torch" in sys.modules)
+"""
+
+
+def test_busy_run_dir_is_refused_before_torch_is_imported(tmp_path):
+    from tests.verl_ppo._run import run_python
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        r = run_python(EARLY, str(tmp_path), timeout=120)
+    finally:
+        p.kill()
+        p.wait()
+    code, seconds, torch_loaded = r.stdout.split()
+    assert code == "2" and torch_loaded == "False", r.stderr
+    assert float(seconds) < 3.0  # no torch, no model: yaml and a flock
+    assert f"in use by another job (pid {p.pid})" in r.stderr
+
+
+def test_progress_bar_is_off_when_stderr_is_not_a_terminal(capsys):
+    from verl_ppo.metrics import progress_bar
+
+    bar = progress_bar(4, "ppo")  # pytest captures stderr: not a terminal
+    bar.update(2)
+    bar.close()
+    assert bar.disable and "\r" not in capsys.readouterr().err
+
+
+def test_ctrl_c_during_start_up_says_so(tmp_path):
+    import signal
+    import time
+
+    from tests.verl_ppo._run import ROOT
+
+    p = subprocess.Popen(
+        [sys.executable, "-m", "verl_ppo.train", "--config", "configs/tiny.yaml",
+         f"run_dir={tmp_path}"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(1.5)  # in main(): importing torch and validating the config take longer
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err, err[-2000:]
