@@ -55,3 +55,15 @@ def test_export_lines_run_on_the_default_job():
         assert args.run_dir.rstrip("/") == cfg.run_dir, line
         assert args.step is None or args.step in kept, (line, kept)
         assert not args.critic or cfg.algorithm.adv_estimator == "gae", line
+
+
+def test_setup_asks_for_the_cpu_torch_build_and_the_readme_says_so():
+    """Not this machine's pip configuration: .ci/setup names the CPU build and PyTorch's CPU
+    index itself; the README says what a plain install gets and names the first-launch
+    DeepSpeed op build in the Quick start time."""
+    setup = (ROOT / ".ci" / "setup").read_text()
+    assert "torch==2.13.0+cpu" in setup and "https://download.pytorch.org/whl/cpu" in setup
+    text = (ROOT / "README.md").read_text()
+    quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in quick
+    assert "CUDA build" in quick and "DeepSpeed's shared-memory" in quick
