@@ -342,12 +342,14 @@ def _copy_meta(meta_dir: Path, dest: Path) -> None:
 
 # ---------------------------------------------------------------- run folders
 def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
-    """The checkpoint folder of ``step`` (None = the latest complete one) in ``run_dir``.
+    """The checkpoint folder of ``step`` (None = the latest complete one) in ``run_dir``,
+    checked against the sizes and checksums of its marker.
 
     Raises:
-        ExportError: no such complete checkpoint (the ones present are listed).
+        ExportError: no such complete checkpoint (the ones present are listed), or it is
+            damaged (the file and the problem named).
     """
-    from verl_ppo.checkpoint import complete_checkpoints, latest_checkpoint
+    from verl_ppo.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
 
     root = Path(run_dir) / "checkpoints"
     path = latest_checkpoint(root) if step is None else root / f"step_{step:06d}"
@@ -355,6 +357,13 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
         have = [p.name for p in complete_checkpoints(root)]
         want = "a complete checkpoint" if step is None else f"step {step}"
         raise ExportError(f"{root} has no {want}; complete checkpoints: {have or 'none'}")
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        have = [p.name for p in complete_checkpoints(root) if p != path]
+        raise ExportError(
+            f"checkpoint {path.name} is damaged: {problem}; export another with --step N "
+            f"(other complete checkpoints: {have or 'none'})"
+        )
     return path
 
 

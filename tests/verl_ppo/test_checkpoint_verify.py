@@ -139,3 +139,13 @@ def test_two_ranks_agree_on_the_step_before_loading(tmp_path):
     assert res[0][0] == res[1][0] == 2  # no half-resume: both ranks on step 2
     assert "step_000004 skipped: trainer_rank1.pt holds 50 bytes" in res[0][1][0]
     assert res[1][1] == []  # rank 0 says it once
+
+
+def test_export_refuses_a_damaged_checkpoint(tmp_path):
+    from verl_ppo.export import ExportError, find_checkpoint
+
+    _save(tmp_path, [2, 4])
+    (tmp_path / "checkpoints/step_000004/actor/model.pt").write_bytes(b"")
+    with pytest.raises(ExportError, match=r"step_000004 is damaged: actor/model.pt holds 0 bytes"):
+        find_checkpoint(tmp_path)
+    assert find_checkpoint(tmp_path, 2).name == "step_000002"
