@@ -311,6 +311,8 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
         code = launch(cfg, None, [])
         if code in (130, 143):
             self.stopped_by = code - 128
+        elif code == 2:  # launch(): a preflight or run-folder refusal, no rank started
+            raise RuntimeError("verl-ppo: refused before any rank started; see the message above")
         elif code:
             raise RuntimeError(
                 f"verl-ppo: the {cfg.comm.nproc} launched ranks failed (exit code {code}); "
