@@ -206,8 +206,9 @@ class PPOTrainer(TrainerBuildMixin, TrainerStepMixin, TrainerRunDirMixin):
             self.setup()
         cfg = self.config
         method = cfg.compression.gradient_compression
-        summary = RunSummary(method, cfg.compression.start_iter, self.world, self.step or None)
-        if self.step and self.rank == 0:  # the step-0 eval of the run being resumed
+        resumed = getattr(self, "resumed_from", None)  # set by _maybe_resume
+        summary = RunSummary(method, cfg.compression.start_iter, self.world, resumed)
+        if resumed and self.rank == 0:  # the step-0 eval of the run being resumed
             summary.eval_start = logged_eval_start(cfg.run_dir)
         t0 = float(os.environ.get("VERL_PPO_T0", self._t_setup))
         total = num_steps if num_steps is not None else cfg.train.num_steps

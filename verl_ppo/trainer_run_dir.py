@@ -107,6 +107,7 @@ class TrainerRunDirMixin:
             return
         state = self.ckpt.load(path, self.engines)
         self.step = int(state["step"])
+        self.resumed_from = self.step  # said by the summary line and the metric rows
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         torch.set_rng_state(state["torch_rng"])
         if self.cuda and "cuda_rng" in state:
