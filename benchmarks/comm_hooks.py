@@ -497,6 +497,8 @@ def _check(methods: dict[str, Method], world: int) -> dict[str, dict]:
         )
         allfp = [torch.zeros_like(fp) for _ in range(world)]
         dist.all_gather(allfp, fp)
+        # bit-equality is the property: every rank applies the same reduced bytes, so the
+        # replicas' gradients are identical on any CPU (a mismatch is a hook bug, not rounding)
         same = all(torch.equal(allfp[0], f) for f in allfp[1:])
         info = {"vs_none": rel}
         ref_rel = _lowrank_reference(m, world) if m.capture.items else None

@@ -7,11 +7,18 @@ Layout under ``run_dir/checkpoints``::
         trainer_rank{r}.pt  per-rank trainer state (step, data position, KL controller,
                             compression state, RNG states): tensors and plain types only,
                             loaded with ``torch.load(weights_only=True)``
-        COMPLETE            JSON marker written last, before the rename
+        COMPLETE            JSON marker written last, before the rename: the step, the
+                            world size and every file's size and SHA-256
     LATEST                  name of the newest complete checkpoint (replaced atomically)
 
 A crash mid-write leaves a ``.tmp-step_*`` folder that is never loaded (and is removed by
 the next save); ``LATEST`` only ever names folders that hold ``COMPLETE``.
+
+Verified resume: a checkpoint is complete only when every rank has written its files (a
+barrier) and rank 0 has read each one back into the marker's checksums. On resume rank 0
+checks the candidates newest first against their markers (:func:`verify_checkpoint`),
+names each one it skips and why, and broadcasts its choice, so every rank loads the same
+step or none does (:meth:`CheckpointManager.resume_point`).
 
 Rotation (``train.keep_last_checkpoints``, default 2): after ``LATEST`` names the new
 checkpoint, rank 0 removes the oldest complete ``step_*`` folders beyond the newest ``keep``
@@ -21,6 +28,7 @@ still leaves the previous one, and the one before can be compared against.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from verl_comm.distributed import DistContext
 
@@ -46,6 +55,85 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.glob("step_*") if p.is_dir() and (p / "COMPLETE").is_file())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``folder``
+    (the marker itself excluded), read back from disk."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != "COMPLETE":
+            out[p.relative_to(folder).as_posix()] = {
+                "size": p.stat().st_size,
+                "sha256": _sha256(p),
+            }
+    return out
+
+
+def verify_checkpoint(path: Path, world_size: int | None = None) -> str | None:
+    """Check a checkpoint folder against its ``COMPLETE`` marker.
+
+    Args:
+        path: a ``step_*`` folder.
+        world_size: the resuming job's ranks (checked against the marker when given).
+
+    Returns:
+        None when intact, else why not (the first problem found, naming the file).
+        A marker written before checksums existed (no ``files``) passes on presence alone.
+    """
+    try:
+        marker = json.loads((path / "COMPLETE").read_text())
+    except (OSError, ValueError) as exc:
+        return f"unreadable COMPLETE marker ({exc})"
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if files is None:
+        return None
+    written = marker.get("world_size")
+    if world_size is not None and written is not None and written != world_size:
+        return f"written by {written} ranks, this job has {world_size}"
+    for rel, want in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{rel} holds {size} bytes, {want['size']} were written"
+        if _sha256(f) != want["sha256"]:
+            return f"{rel} does not match its SHA-256 checksum"
+    return None
+
+
+def pick_checkpoint(root: Path, world_size: int | None = None) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint under ``root`` and a line per newer one skipped.
+
+    Raises:
+        CheckpointError: complete checkpoints exist but none is intact.
+    """
+    skipped = []
+    candidates = complete_checkpoints(root)
+    for path in reversed(candidates):
+        problem = verify_checkpoint(path, world_size)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"checkpoint {path.name} skipped: {problem}")
+    if candidates:
+        raise CheckpointError(
+            f"no intact checkpoint in {root}: " + "; ".join(skipped) + ". Start over with "
+            "train.resume=never (the damaged ones are moved aside), or choose another run_dir"
+        )
+    return None, skipped
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint of the run can be resumed; the message names each one and why."""
 
 
 def rotate_checkpoints(root: Path, keep_last: int) -> list[Path]:
@@ -92,6 +180,30 @@ class CheckpointManager:
         """The newest complete checkpoint, or None (an incomplete one is ignored)."""
         return latest_checkpoint(self.root)
 
+    def resume_point(self) -> tuple[Path | None, list[str]]:
+        """The checkpoint every rank resumes from (collective): rank 0 verifies the
+        candidates newest first (:func:`pick_checkpoint`) and broadcasts its choice.
+
+        Returns:
+            ``(folder or None, lines naming each checkpoint skipped and why)``; the lines
+            are rank 0's (empty elsewhere).
+
+        Raises:
+            CheckpointError: on every rank, when no complete checkpoint is intact.
+        """
+        box: list[Any] = [None, []]
+        if self.rank == 0:
+            try:
+                path, skipped = pick_checkpoint(self.root, self.ctx.world_size)
+                box = [None if path is None else path.name, skipped]
+            except CheckpointError as exc:
+                box = [exc, []]
+        if self.ctx.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        if isinstance(box[0], Exception):
+            raise CheckpointError(str(box[0]))
+        return (None if box[0] is None else self.root / box[0]), box[1] if self.rank == 0 else []
+
     def save(self, step: int, engines: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
         """Write checkpoint ``step`` (collective: every rank calls it).
 
@@ -113,9 +225,11 @@ class CheckpointManager:
         for role, eng in engines.items():
             eng.save(str(tmp), tag=role, client_state={})
         torch.save(trainer_state, tmp / f"trainer_rank{self.rank}.pt")
-        self._barrier()
+        self._barrier()  # every rank's files are written
         if self.rank == 0:
-            (tmp / "COMPLETE").write_text(json.dumps({"step": step}))
+            marker = {"step": step, "world_size": self.ctx.world_size}
+            marker["files"] = file_manifest(tmp)
+            (tmp / "COMPLETE").write_text(json.dumps(marker, indent=1))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)

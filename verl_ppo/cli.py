@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         from verl_ppo.reward.server import main as server_main
 
         return int(server_main(rest) or 0)
+    except KeyboardInterrupt:
+        print(f"verl-ppo {cmd}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except ModuleNotFoundError as exc:  # verl_ppo's dependencies are the 'ppo' extra
         hint = install_hint(exc)
         if hint is None:

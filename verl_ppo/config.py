@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from verl_comm.compression.config import CompressionConfig
-from verl_ppo.errors import ConfigError
+from verl_ppo.errors import ConfigError, divisors
 from verl_ppo.reshard.config import HybridEngineConfig
 
 __all__ = ["ConfigError", "Derived", "PPOConfig", "build_config", "exact_div", "load_config"]
@@ -346,7 +346,7 @@ class PPOConfig(_Strict):
         def per_rank(value: int, key: str) -> int:
             fix = (
                 f"make {key} a multiple of {world_size}, or run a number of ranks in "
-                f"{_divisors(value)} (comm.nproc, or torchrun --nproc_per_node)"
+                f"{divisors(value)} (comm.nproc, or torchrun --nproc_per_node)"
             )
             return exact_div(value, world_size, key, "ranks", fix)
 
@@ -358,7 +358,7 @@ class PPOConfig(_Strict):
                 f"train.micro_batch_size={t.micro_batch_size} does not divide the per-rank "
                 f"mini-batch (train.ppo_mini_batch_size={t.ppo_mini_batch_size} / {world_size} "
                 f"ranks = {local_mini}): set train.micro_batch_size to one of "
-                f"{_divisors(local_mini)}, or train.ppo_mini_batch_size to a multiple of "
+                f"{divisors(local_mini)}, or train.ppo_mini_batch_size to a multiple of "
                 f"{micro * world_size}"
             )
         grad_accum = local_mini // micro
@@ -403,18 +403,38 @@ def exact_div(a: int, b: int, what: str, by: str, fix: str | None = None) -> int
     return a // b
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys a user may write in the section ``loc`` names (aliases as written; at the
+    top level the compression keys too)."""
+    model: Any = PPOConfig
+    for part in loc:
+        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    keys = [f.alias or n for n, f in model.model_fields.items()]
+    return keys + (list(CompressionConfig.model_fields) if model is PPOConfig else [])
 
 
-def _format_validation_error(exc: ValidationError) -> str:
+def _format_validation_error(exc: ValidationError, lifted: frozenset[str] = frozenset()) -> str:
+    """One line per error: the key as the user typed it (``lifted``: compression keys
+    written at top level), pydantic's ``Value error,`` and ``<root>`` dropped, a "did you
+    mean" for a misspelled key (``difflib``)."""
+    import difflib
+
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if p != "__root__")
-        msg = err["msg"]
+        parts = [p for p in err["loc"] if p != "__root__"]
+        if len(parts) >= 2 and parts[0] == "compression" and parts[1] in lifted:
+            parts = parts[1:]  # written at top level: name it so
+        loc = ".".join(str(p) for p in parts)
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see configs/default.yaml for valid keys)"
-        lines.append(f"  {loc or '<root>'}: {msg}")
+            close = difflib.get_close_matches(str(parts[-1]), _keys_at(tuple(parts[:-1])), n=1)
+            hint = f"did you mean {'.'.join([*map(str, parts[:-1]), close[0]])}?" if close else ""
+            msg = f"unknown key; {hint or 'check the spelling'} (see configs/default.yaml)"
+        lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
     return "invalid configuration:\n" + "\n".join(lines)
 
 
@@ -454,6 +474,46 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _lift(layer: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """One source of config (a file, its overrides) with its top-level compression keys
+    moved into ``compression``; returns it and the keys written at top level.
+
+    Raises:
+        ConfigError: one key written both ways in the same source with different values.
+    """
+    keys = CompressionConfig.model_fields
+    top = {k: v for k, v in layer.items() if k in keys}
+    if not top or not isinstance(layer.get("compression", {}), (dict, type(None))):
+        return layer, set(top)
+    out = {k: v for k, v in layer.items() if k not in keys}
+    comp = dict(out.get("compression") or {})
+    for k, v in top.items():
+        if k in comp and comp[k] != v:
+            raise ConfigError(
+                f"{k} is given twice: {k}={v!r} and compression.{k}={comp[k]!r}; keep one"
+            )
+        comp[k] = v
+    out["compression"] = comp
+    return out, set(top)
+
+
+def _validate(layers: list[dict[str, Any]]) -> PPOConfig:
+    """Merge config sources in order (a later one wins, whichever way it spells a
+    compression key) and validate; errors name each key as the winning source wrote it."""
+    data: dict[str, Any] = {}
+    typed_top: set[str] = set()
+    for layer in layers:
+        lifted, top = _lift(layer)
+        comp = lifted.get("compression")
+        typed_top -= set(comp) - top if isinstance(comp, dict) else set()
+        typed_top |= top
+        data = deep_merge(data, lifted)
+    try:
+        return PPOConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, frozenset(typed_top))) from None
+
+
 def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOConfig:
     """Validate a dict, then apply keyword overrides of config fields.
 
@@ -465,7 +525,7 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOCon
         ConfigError: with one line per bad field, or the rules of :mod:`verl_ppo.rules`
             that the config breaks.
     """
-    data = dict(data or {})
+    layers = [dict(data or {})]
     for key, value in overrides.items():
         nested: dict[str, Any] = {}
         node = nested
@@ -473,11 +533,12 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOCon
         for p in parts[:-1]:
             node = node.setdefault(p, {})
         node[parts[-1]] = value
-        data = deep_merge(data, nested)
-    try:
-        cfg = PPOConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+        layers.append(nested)
+    return _checked(_validate(layers))
+
+
+def _checked(cfg: PPOConfig) -> PPOConfig:
+    """``cfg`` once the rules of :mod:`verl_ppo.rules` hold (ConfigError otherwise)."""
     from verl_ppo.fast_path import check_config  # the rules read the features' limits
 
     check_config(cfg)
@@ -507,6 +568,4 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
                 f"{type(loaded).__name__}"
             )
         data = loaded
-    if overrides:
-        data = deep_merge(data, parse_overrides(overrides))
-    return build_config(data)
+    return _checked(_validate([data, parse_overrides(overrides)] if overrides else [data]))

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from verl_ppo.export import EXPORT_DIR, META_DIR, ExportError
+from verl_ppo.metrics import progress_bar
 
 
 @dataclass
@@ -118,12 +121,15 @@ def evaluate(
     max_new_tokens: int = 24,
     batch_size: int = 8,
     world: int = 1,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[float, list[dict[str, Any]]]:
     """Greedy mean reward on the first ``n`` held-out prompts of ``task_name``.
 
     Prompts are processed as the trainer's ``world`` ranks process them (rank r takes
     indices r, r + world, ..., in batches of ``batch_size``), so padding and therefore every
     floating-point operation match the trainer's eval.
+
+    ``progress`` (optional) is called with the number of prompts done after each batch.
 
     Returns:
         ``(mean_reward, rows)``, one row per prompt in index order: ``index``, ``question``,
@@ -147,6 +153,8 @@ def evaluate(
                     "expected": s.entry.get("answer"),
                     "score": task.score(text, s.entry),
                 }
+            if progress is not None:
+                progress(len(rows))
     ordered = [rows[j] for j in range(n)]
     mean = sum(r["score"] for r in ordered) / max(n, 1)
     return mean, ordered
@@ -192,6 +200,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument("--show", type=int, default=8, help="samples printed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
+    print(f"verl-ppo eval: loading {a.model} ...", file=sys.stderr, flush=True)
     try:
         lm = load_model(a.model, a.device)
     except (ModelStoreError, ExportError) as exc:
@@ -212,6 +221,18 @@ def eval_main(argv: list[str] | None = None) -> int:
     task = a.task or cfg.data.task
     kwargs = cfg.data.task_kwargs if task == cfg.data.task else {}
     batch = a.batch_size or max(cfg.train.rollout_batch_size // world, 1)
+    bar = progress_bar(a.n, "eval")
+    t0 = time.perf_counter()
+
+    def progress(done: int) -> None:
+        bar.update(done - bar.n)
+        if bar.disable:  # not a terminal: one plain line per batch
+            print(
+                f"verl-ppo eval: {done}/{a.n} prompts ({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
     mean, rows = evaluate(
         lm,
         task,
@@ -221,7 +242,9 @@ def eval_main(argv: list[str] | None = None) -> int:
         max_new_tokens=a.max_new_tokens or cfg.rollout.eval_max_new_tokens,
         batch_size=batch,
         world=world,
+        progress=progress,
     )
+    bar.close()
     print_table(rows, a.show)
     out = Path(a.output) if a.output else None
     if out is None:
@@ -251,6 +274,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
+    print(f"verl-ppo eval: loading {a.model} ...", file=sys.stderr, flush=True)
     try:
         lm = load_model(a.model, a.device)
     except (ModelStoreError, ExportError) as exc:

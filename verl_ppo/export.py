@@ -79,9 +79,7 @@ def save_model_meta(
         hf_config.save_pretrained(tmp)
         generation_config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -191,7 +189,18 @@ def _atomic_dir(out_dir: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
 
 
+def _ordinary_permissions(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes of files the user creates (0666 /
+    0777 less the umask): ``mkdtemp`` makes 0700 folders and writers may leave 0600 files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [folder, *folder.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+
+
 def _publish(tmp: Path, out_dir: Path) -> None:
+    _ordinary_permissions(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -333,12 +342,14 @@ def _copy_meta(meta_dir: Path, dest: Path) -> None:
 
 # ---------------------------------------------------------------- run folders
 def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
-    """The checkpoint folder of ``step`` (None = the latest complete one) in ``run_dir``.
+    """The checkpoint folder of ``step`` (None = the latest complete one) in ``run_dir``,
+    checked against the sizes and checksums of its marker.
 
     Raises:
-        ExportError: no such complete checkpoint (the ones present are listed).
+        ExportError: no such complete checkpoint (the ones present are listed), or it is
+            damaged (the file and the problem named).
     """
-    from verl_ppo.checkpoint import complete_checkpoints, latest_checkpoint
+    from verl_ppo.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
 
     root = Path(run_dir) / "checkpoints"
     path = latest_checkpoint(root) if step is None else root / f"step_{step:06d}"
@@ -346,6 +357,13 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
         have = [p.name for p in complete_checkpoints(root)]
         want = "a complete checkpoint" if step is None else f"step {step}"
         raise ExportError(f"{root} has no {want}; complete checkpoints: {have or 'none'}")
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        have = [p.name for p in complete_checkpoints(root) if p != path]
+        raise ExportError(
+            f"checkpoint {path.name} is damaged: {problem}; export another with --step N "
+            f"(other complete checkpoints: {have or 'none'})"
+        )
     return path
 
 
@@ -357,10 +375,12 @@ def export_checkpoint(
 
     Weights are cast to the dtype the run trained in (``model_config/config.json``), so
     the export of a ZeRO-3 checkpoint (fp32 master weights) equals the trained module.
+    Everything is written into a temporary sibling of ``out_dir`` and renamed into place
+    only when complete: a failed export leaves ``out_dir`` as it was.
 
     Raises:
         ExportError: no such checkpoint, no ``model_config`` (a run of an older version),
-            or no critic in the checkpoint.
+            or no critic in the checkpoint (checked before anything is written).
     """
     from transformers import AutoConfig
 
@@ -372,22 +392,35 @@ def export_checkpoint(
             "(written at setup by verl-ppo train since this version)"
         )
     ckpt = find_checkpoint(run_dir, step)
+    for role in ("actor", "critic") if critic else ("actor",):
+        if not (ckpt / role).is_dir():
+            raise ExportError(
+                f"{ckpt} holds no {role}"
+                + (
+                    ": the run trained without a critic (algorithm.adv_estimator=grpo); "
+                    "drop --critic, or train with algorithm.adv_estimator=gae"
+                    if role == "critic"
+                    else ""
+                )
+            )
     dtype = getattr(AutoConfig.from_pretrained(meta), "dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    written = {"actor": write_causal_lm(checkpoint_state_dict(ckpt, "actor"), meta, out_dir, dtype)}
-    if critic:
-        written["critic"] = write_value_model(
-            checkpoint_state_dict(ckpt, "critic"), meta, out_dir / "critic", dtype
-        )
-    info = {"checkpoint": ckpt.name, "dtype": str(dtype)}
-    (out_dir / "verl_ppo_export.json").write_text(json.dumps(info))
-    return written
+    tmp = _atomic_dir(out_dir)
+    try:
+        write_causal_lm(checkpoint_state_dict(ckpt, "actor"), meta, tmp, dtype)
+        if critic:
+            write_value_model(checkpoint_state_dict(ckpt, "critic"), meta, tmp / "critic", dtype)
+        info = {"checkpoint": ckpt.name, "dtype": str(dtype)}
+        (tmp / "verl_ppo_export.json").write_text(json.dumps(info))
+        _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"actor": out_dir, **({"critic": out_dir / "critic"} if critic else {})}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``verl-ppo export RUN_DIR [--step N] OUT_DIR [--critic]``; returns the exit code."""
+def build_parser() -> Any:
+    """The ``argparse`` parser of ``verl-ppo export``."""
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(
         prog="verl-ppo export",
@@ -397,7 +430,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="the run folder (run_dir of verl-ppo train)")
     p.add_argument("out_dir", help="folder to write (replaced if it exists)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--critic", action="store_true", help="also write OUT_DIR/critic")
+    p.add_argument(
+        "--critic", action="store_true", help="also write OUT_DIR/critic (runs with a critic)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``verl-ppo export RUN_DIR [--step N] OUT_DIR [--critic]``; returns the exit code."""
+    import sys
+
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         written = export_checkpoint(args.run_dir, args.out_dir, args.step, args.critic)

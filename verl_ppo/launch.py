@@ -56,7 +56,8 @@ def launch(cfg: Any, config_path: str | None, overrides: list[str]) -> int:
         return 2
     try:
         try:
-            for line in prepare_run_dir(cfg.run_dir, cfg.train.resume):
+            dumped = cfg.model_dump(by_alias=True, mode="json")
+            for line in prepare_run_dir(cfg.run_dir, cfg.train.resume, dumped):
                 print(f"verl-ppo: {line}", file=sys.stderr)
         except RunDirError as exc:
             print(f"verl-ppo: {exc}", file=sys.stderr)
@@ -120,6 +121,12 @@ def rank_main(body: Callable[[], int]) -> int:
     try:
         return int(body() or 0)
     except KeyboardInterrupt:
+        if rank == "0":  # every rank got it: say it once
+            print(
+                f"verl-ppo [rank {rank}]: interrupted (Ctrl-C) outside the training loop "
+                "(start-up or teardown): no checkpoint was written for it",
+                file=sys.stderr,
+            )
         return 130
     except Exception as exc:  # noqa: BLE001 - the rank's last word, then exit
         tb = traceback.format_exc()

@@ -29,6 +29,16 @@ def get_logger(rank: int) -> logging.Logger:
     return log
 
 
+def progress_bar(total: int, desc: str, initial: int = 0, enabled: bool = True) -> Any:
+    """A ``tqdm`` bar on stderr when stderr is a terminal; disabled otherwise (a log file or
+    a pipe would keep every ``\r`` redraw as a fragment), so lines written through
+    ``tqdm.write`` stay plain."""
+    from tqdm import tqdm
+
+    on = enabled and sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, desc=desc, disable=not on, dynamic_ncols=True)
+
+
 class PhaseTimer:
     """Wall time per named phase of a step, reported as ``timing_s/<phase>``.
 

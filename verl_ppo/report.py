@@ -68,11 +68,13 @@ class RunSummary:
         method: ``gradient_compression``.
         start_iter: ``compression.start_iter`` (for the never-turned-on notice).
         world_size: data-parallel ranks.
+        resumed_at: the checkpoint step this run resumed from (None = a fresh start).
     """
 
     method: str
     start_iter: int
     world_size: int
+    resumed_at: int | None = None
     eval_start: float | None = None
     eval_end: float | None = None
     steps: int = 0
@@ -107,9 +109,12 @@ class RunSummary:
 
     def line(self, wall_s: float, stopped: int = 0) -> str:
         """The summary line, e.g. ``done | eval 0.469 -> 0.906 (+0.438) | 30 steps, wall
-        312 s | 1450 tokens/s | comm int8 actor 3.88x critic 3.88x``."""
+        312 s | 1450 tokens/s | comm int8 actor 3.88x critic 3.88x`` (after a resume,
+        ``done | resumed at step 6 | eval ...``: ``steps`` counts this run's steps)."""
         head = f"stopped (signal {stopped})" if stopped else "done"
         parts = [head]
+        if self.resumed_at:
+            parts.append(f"resumed at step {self.resumed_at}")
         if self.eval_start is not None and self.eval_end is not None:
             d = self.eval_end - self.eval_start
             parts.append(f"eval {self.eval_start:.3f} -> {self.eval_end:.3f} ({d:+.3f})")

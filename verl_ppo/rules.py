@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from verl_ppo.errors import ConfigError
+from verl_ppo.errors import ConfigError, divisors
 
 PP_KEY = "actor.model_config.hybrid_engine.training_sharding.pipeline_parallel_size"
 PIPELINE_ZERO_STAGES = (0, 1)
@@ -72,16 +72,19 @@ def several_updates(cfg: Any) -> str | None:
 
 @dataclass(frozen=True)
 class Rule:
-    """One rule: ``problem(cfg, facts)`` says what is wrong (or None); ``fix`` how to fix it."""
+    """One rule: ``problem(cfg, facts)`` says what is wrong (or None); ``fix`` how to fix it
+    (a text, or a function of the config where the fix names values to set)."""
 
     keys: tuple[str, ...]
     problem: Callable[[Any, Facts], str | None]
-    fix: str
+    fix: str | Callable[[Any], str]
 
     def message(self, cfg: Any, facts: Facts) -> str | None:
         """``"<problem>: <fix>"``, or None when the rule holds."""
         p = self.problem(cfg, facts)
-        return None if p is None else f"{p}: {self.fix}"
+        if p is None:
+            return None
+        return f"{p}: {self.fix(cfg) if callable(self.fix) else self.fix}"
 
 
 def _per_role(keys: str, problem: Callable[[Any, Facts, str], str | None], fix: str) -> list[Rule]:
@@ -261,14 +264,17 @@ RULES: tuple[Rule, ...] = (
         lambda c, f: None if c.train.rollout_batch_size % c.algorithm.n_samples == 0
         else f"train.rollout_batch_size={c.train.rollout_batch_size} is not a multiple of "
         f"algorithm.n_samples={c.algorithm.n_samples}",
-        "make train.rollout_batch_size a multiple of algorithm.n_samples",
+        lambda c: f"set train.rollout_batch_size="
+        f"{-(-c.train.rollout_batch_size // c.algorithm.n_samples) * c.algorithm.n_samples}, "
+        f"or algorithm.n_samples to one of {divisors(c.train.rollout_batch_size)}",
     ),
     Rule(
         ("train.rollout_batch_size", "train.ppo_mini_batch_size"),
         lambda c, f: None if c.train.rollout_batch_size % c.train.ppo_mini_batch_size == 0
         else f"train.rollout_batch_size={c.train.rollout_batch_size} is not a multiple of "
         f"train.ppo_mini_batch_size={c.train.ppo_mini_batch_size}",
-        "make train.rollout_batch_size a multiple of train.ppo_mini_batch_size",
+        lambda c: "set train.ppo_mini_batch_size to one of "
+        f"{divisors(c.train.rollout_batch_size)}",
     ),
     Rule(
         ("algorithm.old_log_prob", "train.ppo_epochs", "train.ppo_mini_batch_size"),

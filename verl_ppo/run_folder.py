@@ -12,6 +12,10 @@
   ``metrics.jsonl``, ``checkpoints/`` and the ``tensorboard/`` and ``wandb/`` logger folders
   are renamed aside with a UTC time stamp
   (``metrics.jsonl.old-20261201T181500Z``), nothing is deleted.
+- **Resume checks the config**: before a resume, the new resolved config is compared with
+  the run's ``config.yaml`` (:mod:`verl_ppo.resume_check`): a key that cannot change
+  mid-run (model, task, algorithm, compression, layouts) refuses the job with the list of
+  differences and the ways out; keys that may change (steps, logging, intervals) are logged.
 - **Stop** (:class:`StopRequest`): SIGINT and SIGTERM set a flag; at the next step boundary
   every rank learns of it through one small all-reduce, the trainer saves a checkpoint and
   exits with ``128 + signal``. Bound: the rest of the current step plus one checkpoint write;
@@ -26,11 +30,9 @@ import fcntl
 import json
 import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 LOCK_NAME = ".lock"
 
@@ -54,9 +56,13 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunDirLock:
-        """Take the lock without waiting and record this process's pid in the lock file."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the lock without waiting and record this process's pid in the lock file.
+
+        Raises:
+            RunDirError: in use (the holder's pid named), or ``run_dir`` is a file, lies
+                under a file, or cannot be written (the reason and a fix named).
+        """
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -72,6 +78,22 @@ class RunDirLock:
         os.fsync(fd)
         self._fd = fd
         return self
+
+    def _open(self) -> int:
+        folder = self.path.parent
+        try:
+            if folder.exists() and not folder.is_dir():
+                raise NotADirectoryError(f"{str(folder)!r} is a file")
+            folder.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            if isinstance(exc, (NotADirectoryError, FileExistsError)):
+                why = "it or a folder above it is a file, not a folder"
+            raise RunDirError(
+                f"run_dir {str(folder)!r} cannot be used: {why}; pass run_dir=<a folder you "
+                "can write> (e.g. run_dir=runs/my_run)"
+            ) from None
 
     def release(self) -> None:
         """Drop the lock (the file stays; its pid is stale and harmless)."""
@@ -95,20 +117,63 @@ def holder_pid(text: str) -> str:
         return "?"
 
 
+def _peek_run_dir(config_path: str | None, overrides: list[str]) -> str | None:
+    """``run_dir`` as the last override or the YAML file sets it (None when neither does:
+    the default is :class:`verl_ppo.config.PPOConfig`'s); read with yaml alone."""
+    import yaml
+
+    for item in reversed(overrides):
+        key, sep, value = item.partition("=")
+        if sep and key.strip() == "run_dir" and value:
+            return value
+    try:
+        data = yaml.safe_load(Path(config_path).read_text()) if config_path else None
+    except (OSError, yaml.YAMLError):
+        return None  # load_config names the problem
+    value = data.get("run_dir") if isinstance(data, dict) else None
+    return str(value) if value else None
+
+
+def early_lock_check(config_path: str | None, overrides: list[str]) -> str | None:
+    """Before any heavy import: would ``run_dir`` (as the file and overrides name it) be
+    refused? Returns the message (busy, a file, unwritable) or None. The lock is taken and
+    given back; the launcher takes it for the job once the config is validated."""
+    run_dir = _peek_run_dir(config_path, overrides)
+    if run_dir is None or not (Path(run_dir).exists() or Path(run_dir).is_symlink()):
+        return None  # a folder that does not exist yet is nobody's
+    try:
+        RunDirLock(run_dir).acquire().release()
+    except RunDirError as exc:
+        return str(exc)
+    return None
+
+
 def _stamp() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
-def prepare_run_dir(run_dir: str | Path, resume: str) -> list[str]:
+def prepare_run_dir(
+    run_dir: str | Path, resume: str, config: Mapping[str, Any] | None = None
+) -> list[str]:
     """Apply the fresh-start policy of ``train.resume`` to ``run_dir`` (caller holds the lock).
 
+    Args:
+        run_dir: the run folder.
+        resume: ``train.resume``.
+        config: the new job's resolved config (``model_dump(mode="json", by_alias=True)``);
+            when given and a checkpoint will be resumed, it is compared with the run's
+            ``config.yaml`` (:func:`verl_ppo.resume_check.check_resume_config`).
+
     Returns:
-        Lines to log (what was moved aside); empty when nothing was done.
+        Lines to log (what was moved aside, config keys changed on resume); empty when
+        nothing was done.
 
     Raises:
-        RunDirError: ``resume=auto``, ``metrics.jsonl`` present and no complete checkpoint.
+        RunDirError: ``resume=auto``, ``metrics.jsonl`` present and no complete checkpoint;
+            or a resume would change a key that cannot change mid-run.
     """
     from verl_ppo.checkpoint import latest_checkpoint
+    from verl_ppo.resume_check import ResumeConfigError, check_resume_config
 
     root = Path(run_dir)
     metrics = root / "metrics.jsonl"
@@ -121,7 +186,13 @@ def prepare_run_dir(run_dir: str | Path, resume: str) -> list[str]:
                 "resume from; pass train.resume=never to start over (the old metrics.jsonl "
                 "is kept aside), or choose another run_dir"
             )
-        return []
+        latest = latest_checkpoint(ckpt_root)
+        if config is None or latest is None:
+            return []
+        try:
+            return check_resume_config(root, config, latest.name)
+        except ResumeConfigError as exc:
+            raise RunDirError(str(exc)) from None
     moved = []
     stamp = _stamp()
     for path in (metrics, ckpt_root, root / "tensorboard", root / "wandb"):  # train.logger
@@ -130,6 +201,22 @@ def prepare_run_dir(run_dir: str | Path, resume: str) -> list[str]:
             os.replace(path, aside)
             moved.append(f"train.resume=never: moved {path} aside to {aside}")
     return moved
+
+
+def logged_eval_start(run_dir: str | Path) -> float | None:
+    """The step-0 ``eval/reward`` in ``run_dir/metrics.jsonl`` (None when absent): the start
+    of a resumed run's ``eval START -> END`` summary."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("step") == 0 and row.get("eval/reward") is not None:
+            return float(row["eval/reward"])
+    return None
 
 
 class StopRequest:
@@ -174,6 +261,9 @@ class StopRequest:
         """
         if ctx is None or ctx.world_size == 1:
             return self.signum
+        import torch  # here, so that the run-dir lock is taken before any heavy import
+        import torch.distributed as dist
+
         t = torch.tensor([self.signum], dtype=torch.int64, device=ctx.device)
         ctx.all_reduce(t, op=dist.ReduceOp.MAX, group=group, name="stop request")
         return int(t.item())

@@ -19,8 +19,6 @@ import argparse
 import os
 import sys
 
-from verl_ppo.config import ConfigError, load_config
-
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``verl-ppo train``."""
@@ -32,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_rank(config_path: str | None, overrides: list[str]) -> int:
     """Body of one rank: build the trainer, run it, tear down; returns an exit code."""
+    from verl_ppo.config import load_config
     from verl_ppo.trainer import PPOTrainer
 
     cfg = load_config(config_path, overrides)
@@ -44,14 +43,36 @@ def run_rank(config_path: str | None, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: validate the config, then run this rank or launch the ranks."""
+    """Entry point: validate the config, then run this rank or launch the ranks. Ctrl-C
+    before the ranks start (imports, checks) ends with a message and exit code 130."""
     args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except KeyboardInterrupt:
+        print(
+            "verl-ppo: interrupted (Ctrl-C) during start-up, before any rank started: "
+            "nothing was trained or saved",
+            file=sys.stderr,
+        )
+        return 130
+
+
+def _main(args: argparse.Namespace) -> int:
+    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not under_launcher:  # a busy or unusable run_dir is refused before torch is imported
+        from verl_ppo.run_folder import early_lock_check
+
+        problem = early_lock_check(args.config, args.overrides)
+        if problem:
+            print(f"verl-ppo: {problem}", file=sys.stderr)
+            return 2
+    from verl_ppo.config import ConfigError, load_config
+
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"verl-ppo: {exc}", file=sys.stderr)
         return 2
-    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_launcher:
         from verl_ppo.launch import rank_main
 

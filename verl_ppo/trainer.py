@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from verl_comm.profiler import VerlProfiler
 from verl_comm.telemetry import CommRecorder
@@ -46,11 +45,11 @@ from verl_ppo.distributed import ensure_process_group, environment_findings
 from verl_ppo.experience_maker import ExperienceMaker
 from verl_ppo.fast_path import ModelFacts, layouts, model_config_of, resolve
 from verl_ppo.launch import launch
-from verl_ppo.metrics import get_logger
+from verl_ppo.metrics import get_logger, progress_bar
 from verl_ppo.models import load_tokenizer
 from verl_ppo.monitor import PrometheusMonitor
 from verl_ppo.report import RunSummary, format_samples
-from verl_ppo.run_folder import StopRequest
+from verl_ppo.run_folder import StopRequest, logged_eval_start
 from verl_ppo.tracking import build_tracking
 from verl_ppo.trainer_build import Workers
 from verl_ppo.trainer_run_dir import RunFolder
@@ -94,6 +93,7 @@ class PPOTrainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.stopped_by = 0  # the signal that stopped the last run (0 = none)
+        self.resumed_from: int | None = None  # the checkpoint step setup() loaded, if any
         self.workers: Workers | None = None
         self.ppo_step: PPOStep | None = None
         self.run_folder: RunFolder | None = None
@@ -166,6 +166,7 @@ class PPOTrainer:
             self.run_folder.write_meta()
         if cfg.train.resume == "auto":
             self.step = self.run_folder.resume()
+            self.resumed_from = self.step or None  # said by the summary and the metric rows
         self.tracking = build_tracking(
             cfg.train, cfg.run_dir, self.rank, self.step, cfg.model_dump(by_alias=True),
             comm_method=cfg.compression.gradient_compression,
@@ -278,7 +279,10 @@ class PPOTrainer:
             self.setup()
         cfg = self.config
         method = cfg.compression.gradient_compression
-        summary = RunSummary(method, cfg.compression.start_iter, self.world)
+        resumed = self.resumed_from
+        summary = RunSummary(method, cfg.compression.start_iter, self.world, resumed)
+        if resumed and self.rank == 0:  # the step-0 eval of the run being resumed
+            summary.eval_start = logged_eval_start(cfg.run_dir)
         t0 = float(os.environ.get("VERL_PPO_T0", self._t_setup))
         total = num_steps if num_steps is not None else cfg.train.num_steps
         samples = self._begin(summary, total)
@@ -317,9 +321,7 @@ class PPOTrainer:
         cfg = self.config
         want_eval = cfg.data.eval_size > 0
         stop = StopRequest().install()
-        bar = tqdm(
-            total=total, initial=self.step, disable=self.rank != 0, desc="ppo", dynamic_ncols=True
-        )
+        bar = progress_bar(total, "ppo", initial=self.step, enabled=self.rank == 0)
         out: list[dict[str, float]] = []
         saved_at = -1
         self.profiler.start(first_step=self.step + 1)  # numbered as in the log
@@ -332,6 +334,8 @@ class PPOTrainer:
                 self.profiler.step()
                 self.step += 1
                 summary.observe(m)
+                if summary.resumed_at:
+                    m["run/resumed_from_step"] = summary.resumed_at
                 if want_eval and (
                     self.step == total
                     or (cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0)
@@ -400,6 +404,8 @@ class PPOTrainer:
         code = launch(cfg, None, [])
         if code in (130, 143):
             self.stopped_by = code - 128
+        elif code == 2:  # launch(): a preflight or run-folder refusal, no rank started
+            raise RuntimeError("verl-ppo: refused before any rank started; see the message above")
         elif code:
             raise RuntimeError(
                 f"verl-ppo: the {cfg.comm.nproc} launched ranks failed (exit code {code}); "

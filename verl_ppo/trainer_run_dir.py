@@ -75,7 +75,8 @@ class RunFolder:
         if self.rank == 0:
             try:
                 self._lock = RunDirLock(cfg.run_dir).acquire()
-                for line in prepare_run_dir(cfg.run_dir, cfg.train.resume):
+                dumped = cfg.model_dump(mode="json", by_alias=True)
+                for line in prepare_run_dir(cfg.run_dir, cfg.train.resume, dumped):
                     self.log.info("%s", line)
             except RunDirError as exc:
                 error = str(exc)
@@ -122,9 +123,12 @@ class RunFolder:
         return self.ckpt.save(step, self.engines, self._trainer_state(step))
 
     def resume(self) -> int:
-        """Restore the latest complete checkpoint (engines, KL controller, RNG states,
-        gradient hooks); returns its step, or 0 when there is none (collective)."""
-        path = self.ckpt.latest()
+        """Restore the newest verified checkpoint (engines, KL controller, RNG states,
+        gradient hooks), logging each newer one skipped and why; returns its step, or 0
+        when there is none (collective: every rank loads the same step)."""
+        path, skipped = self.ckpt.resume_point()  # verified; every rank the same
+        for line in skipped:
+            self.log.warning("%s", line)
         if path is None:
             return 0
         state = self.ckpt.load(path, self.engines)

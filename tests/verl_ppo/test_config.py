@@ -172,3 +172,40 @@ def test_a_switch_rule_refuses_true_and_turns_auto_off_with_one_reason():
     assert job.metrics()["auto/train.fused_log_probs"] == 0.0
     with pytest.raises(AttributeError):  # resolved once: read, never re-decided
         job.fused_log_probs = True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (["train.num_step=3"], "  train.num_step: unknown key; did you mean train.num_steps?"),
+        (["gradient_compresion=int8"], "  gradient_compresion: unknown key; did you mean "),
+        (["actor.model_confg.x=1"], "  actor.model_confg: unknown key; did you mean actor.model_"),
+        (["gradient_compression=int4"], "  gradient_compression: Input should be"),
+        (["compression.gradient_compression=int4"], "  compression.gradient_compression: "),
+    ],
+)
+def test_errors_name_the_key_as_typed_with_did_you_mean(overrides, line):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/default.yaml", overrides)
+    assert line in str(err.value).splitlines()[1], str(err.value)
+
+
+def test_batch_error_has_no_root_prefix_and_a_fix():
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/default.yaml", ["train.rollout_batch_size=6"])
+    msg = str(err.value)
+    assert "<root>" not in msg and "Value error" not in msg, msg
+    assert "set train.rollout_batch_size=8" in msg
+    with pytest.raises(ConfigError, match=r"set train.ppo_mini_batch_size to one of \[1, 2"):
+        load_config("configs/default.yaml", ["train.ppo_mini_batch_size=6"])
+
+
+def test_a_nested_compression_override_wins_over_the_files_top_level_key():
+    # configs/default.yaml writes gradient_compression at top level; the override used to
+    # be dropped silently
+    cfg = load_config("configs/default.yaml", ["compression.gradient_compression=int8"])
+    assert cfg.compression.gradient_compression == "int8"
+    with pytest.raises(ConfigError, match="gradient_compression is given twice"):
+        build_config(
+            {"gradient_compression": "int8", "compression": {"gradient_compression": "none"}}
+        )

@@ -41,10 +41,19 @@ def test_two_ppo_steps_then_resume(tmp_path):
     assert (ckpt / "LATEST").read_text() == "step_000002"
     assert (ckpt / "step_000002" / "COMPLETE").is_file()
     # resume: the next call continues at step 3 and does not repeat steps 1-2
+    # a key that cannot change mid-run is refused by the launcher, before any rank starts
+    bad = run_job(["--config", "configs/tiny.yaml", f"run_dir={run}", "gradient_compression=int8"])
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "compression.gradient_compression: none -> int8" in bad.stderr
+    assert "train.resume=never" in bad.stderr
     r2 = run_job(["--config", "configs/tiny.yaml", f"run_dir={run}", "train.num_steps=3", tb])
     assert r2.returncode == 0, r2.stderr[-3000:]
-    steps2 = [x["step"] for x in _metrics(run) if "reward/mean" in x]
-    assert steps2 == [1, 2, 3]
+    assert "train.num_steps: 2 -> 3" in r2.stderr  # a key that may change: logged
+    rows2 = [x for x in _metrics(run) if "reward/mean" in x]
+    assert [x["step"] for x in rows2] == [1, 2, 3]
+    assert rows2[-1]["run/resumed_from_step"] == 2 and "run/resumed_from_step" not in rows2[0]
+    summary = [x for x in r2.stderr.splitlines() if "done |" in x][-1]
+    assert "resumed at step 2 | eval " in summary and " -> " in summary, summary
     assert "step 3 | reward" in r2.stdout + r2.stderr  # the console backend
     # TensorBoard events (read back with EventAccumulator) hold the JSONL's values
     assert_tensorboard_matches_jsonl(run)

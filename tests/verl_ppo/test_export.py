@@ -61,6 +61,9 @@ def test_write_and_load_actor_and_critic_exactly(tmp_path):
     cdir = write_value_model(sd, meta, tmp_path / "hf" / "critic")
     mask = torch.ones_like(ids)
     got = _load(cdir, critic=True)(ids, attention_mask=mask).logits[..., 0]
+    # bit-equality is the property (the export is exact): the same backbone class on the same
+    # bits, then one Linear(h, 1) on the same hidden states: the same kernels on any CPU, once
+    # the memory-offset dependence is removed (_load)
     assert torch.equal(got, critic(ids, mask))
 
 

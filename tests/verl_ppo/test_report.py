@@ -52,3 +52,9 @@ def test_samples_block():
         "     [response] '3'",
         "     [reward] 1",
     ]
+
+
+def test_summary_line_of_a_resumed_run_says_where_and_keeps_the_eval():
+    s = RunSummary("none", 0, 2, resumed_at=6, eval_start=0.5, eval_end=0.75)
+    s.observe({"perf/tokens": 100.0, "timing_s/step": 1.0})
+    assert s.line(10.0).startswith("done | resumed at step 6 | eval 0.500 -> 0.750 (+0.250)")

@@ -18,7 +18,13 @@ Modules are imported lazily where heavy (transformers is only loaded by ModelRew
 """
 
 from verl_ppo.reward.async_scorer import AsyncRewardScorer
-from verl_ppo.reward.base import RewardBatch, RewardError, RewardModel, check_rewards
+from verl_ppo.reward.base import (
+    RewardBatch,
+    RewardError,
+    RewardInputError,
+    RewardModel,
+    check_rewards,
+)
 from verl_ppo.reward.cache import CachedReward
 from verl_ppo.reward.factory import build_reward_model
 from verl_ppo.reward.model import ModelReward, default_encoder_path
@@ -36,6 +42,7 @@ __all__ = [
     "RemoteRewardError",
     "RewardBatch",
     "RewardError",
+    "RewardInputError",
     "RewardModel",
     "RewardServer",
     "RuleReward",

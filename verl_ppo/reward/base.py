@@ -31,6 +31,12 @@ class RewardError(RuntimeError):
     """A scorer failed or returned rewards of the wrong shape, dtype or values."""
 
 
+class RewardInputError(RewardError, ValueError):
+    """The batch itself cannot be scored (an entry the scorer cannot read, e.g. without
+    ``metadata.source_dataset``): the caller's input, not the scorer, is at fault (the
+    reward server answers it with HTTP 400)."""
+
+
 def _as_id_tuple(ids: Any, field: str, index: int) -> TokenIds:
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from verl_ppo.data.tasks import task_answer
-from verl_ppo.reward.base import RewardBatch, RewardError
+from verl_ppo.reward.base import RewardBatch, RewardError, RewardInputError
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
@@ -51,9 +51,10 @@ class RuleReward:
     returns, when given).
 
     Raises:
-        RewardError: from ``score`` if an entry has no ``metadata.source_dataset`` (and
-            no ``score_fn``), the dataset is unknown to reasoning-gym, or a scorer fails;
-            the message names the sample index.
+        RewardError: from ``score`` if a scorer fails; the message names the sample
+            index. :class:`~verl_ppo.reward.base.RewardInputError` (a subclass) when the
+            entry is at fault: no ``metadata.source_dataset`` (and no ``score_fn``), a
+            dataset unknown to reasoning-gym, or an entry/completion the scorer cannot read.
     """
 
     name = "rule"
@@ -80,7 +81,7 @@ class RuleReward:
                 try:
                     fn = reasoning_gym.get_score_answer_fn(name)
                 except ValueError as exc:
-                    raise RewardError(
+                    raise RewardInputError(
                         f"reasoning-gym has no dataset {name!r} to score with; pass "
                         f"datasets={{{name!r}: ds}} or score_fn=..."
                     ) from exc
@@ -91,10 +92,10 @@ class RuleReward:
         """Reward of one completion for one task entry (a float, [0, 1] for rg scorers)."""
         if self.score_fn is not None:
             return float(self.score_fn(completion, entry))
-        meta = entry.get("metadata")
+        meta = entry.get("metadata") if isinstance(entry, dict) else None
         name = meta.get("source_dataset") if isinstance(meta, dict) else None
         if not isinstance(name, str):
-            raise RewardError(
+            raise RewardInputError(
                 "entry has no metadata.source_dataset naming its reasoning-gym dataset; "
                 "pass score_fn=... to RuleReward for entries of other origin"
             )
@@ -111,7 +112,10 @@ class RuleReward:
             try:
                 out.append(self.score_one(text, entry))
             except RewardError as exc:
-                raise RewardError(f"sample {i}: {exc}") from exc
+                raise type(exc)(f"sample {i}: {exc}") from exc
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+                # the scorer could not read the entry or completion it was given
+                raise RewardInputError(f"sample {i}: malformed entry: {exc!r}") from exc
             except Exception as exc:
                 raise RewardError(f"sample {i}: scorer raised {exc!r}") from exc
         return torch.tensor(out, dtype=torch.float32)

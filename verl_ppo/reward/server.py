@@ -10,8 +10,13 @@ Protocol (JSON over HTTP/1.1, keep-alive):
 * ``POST /score`` body: a :class:`~verl_ppo.reward.base.RewardBatch` in JSON
   (``prompt_ids``, ``response_ids``, ``prompts``, ``responses``, ``entries``: B items
   each). Answer 200: ``{"rewards": [float] * B, "latency_s": float}``.
-  400: malformed request, ``{"error": "..."}`` naming the field; 413: body larger than
-  ``max_body_bytes``; 500: the model raised, ``{"error": "..."}``.
+  400: malformed request, ``{"error": "..."}`` naming the field (an entry the model cannot
+  read, e.g. without ``metadata.source_dataset``, included); 411: no valid
+  ``Content-Length``; 413: body larger than ``max_body_bytes``; 408: the body did not
+  arrive within ``idle_timeout_s``; 500: the model itself failed, ``{"error": "..."}``.
+* Every other malformed request (a bad request line, HTTP/0.9, over-long headers, an
+  unknown method) gets a 4xx answer with a JSON ``{"error": ...}`` body, never an HTML
+  page or a traceback; a handler error is one line on stderr.
 * ``GET /health``: 200 ``{"status": "ok", "model": name, "batches": n, "samples": n,
   "latency_mean_s": float}``.
 
@@ -30,6 +35,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from verl_ppo.reward.base import RewardBatch, RewardModel, check_rewards
 from verl_ppo.reward.stats import LatencyStats
@@ -65,7 +71,7 @@ class RewardServer:
         self.samples = 0
         self._score_lock = threading.Lock()
         handler = type("RewardHandler", (_Handler,), {"owner": self, "timeout": idle_timeout_s})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd = _QuietServer((host, port), handler)
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 
@@ -144,6 +150,15 @@ class RewardServer:
         self.shutdown()
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that breaks its connection costs one line on stderr, not a traceback."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, (ConnectionError, TimeoutError)):
+            print(f"reward-server: {client_address}: {exc!r}", file=sys.stderr)
+
+
 class _Handler(BaseHTTPRequestHandler):
     owner: RewardServer
     protocol_version = "HTTP/1.1"
@@ -152,40 +167,100 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
         pass  # one line per request would drown the trainer's logs
 
-    def _send(self, status: int, obj: dict) -> None:
+    def _send(self, status: int, obj: dict, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
+    def _refuse(self, status: int, error: str, headers: dict[str, str] | None = None) -> None:
+        """Answer ``status`` with a JSON error and close the connection, first reading what
+        the client already sent (closing on unread bytes would reset the connection before
+        the client reads the answer)."""
+        self.close_connection = True
+        if self.request_version == "HTTP/0.9":  # so the answer carries a status line
+            self.request_version = "HTTP/1.0"
+        self._send(status, {"error": error}, headers)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Read and drop what the client sent beyond the request handled (the connection
+        is closed next)."""
+        self.wfile.flush()
+        try:
+            self.connection.settimeout(0.2)
+            while self.connection.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None):
+        """The stdlib's error page as JSON; its 5xx for the client's request (501 unknown
+        method, 505 unknown HTTP version) become 405 and 400: the client is at fault."""
+        if code == 501:
+            self._refuse(
+                405,
+                f"method {self.command!r} not allowed; use POST /score, GET /health",
+                {"Allow": "GET, POST"},
+            )
+            return
+        text = message or self.responses.get(code, ("error",))[0]
+        if code == 505:
+            code, text = 400, f"{text}; send HTTP/1.1"
+        self._refuse(code, text)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok and self.request_version == "HTTP/0.9":
+            self.send_error(400, "HTTP/0.9 requests are not served; send HTTP/1.1")
+            return False
+        return ok
+
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
-        if self.path.rstrip("/").endswith("/health") or self.path in ("/", ""):
-            self._send(200, self.owner.health())
-        else:
-            self._send(404, {"error": f"no such path {self.path!r}; use POST /score, GET /health"})
+        if not (self.path.rstrip("/").endswith("/health") or self.path in ("/", "")):
+            self._refuse(404, f"no such path {self.path!r}; use POST /score, GET /health")
+            return
+        with_body = self.headers.get("Content-Length", "0").strip() not in ("", "0")
+        self.close_connection = self.close_connection or with_body  # a GET body is not read
+        self._send(200, self.owner.health())
+        if with_body:
+            self._drain()
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib name
         if not self.path.rstrip("/").endswith("/score"):
-            self._send(404, {"error": f"no such path {self.path!r}; use POST /score"})
+            self._refuse(404, f"no such path {self.path!r}; use POST /score")
             return
+        raw = self.headers.get("Content-Length", "")
         try:
-            length = int(self.headers.get("Content-Length", ""))
+            length = int(raw)
         except ValueError:
-            self.close_connection = True
-            self._send(411, {"error": "Content-Length header required"})
+            self._refuse(411, f"Content-Length header required (a byte count), got {raw!r}")
+            return
+        if length < 0:
+            self._refuse(400, f"Content-Length must be >= 0, got {length}")
             return
         if length > self.owner.max_body_bytes:
-            self.close_connection = True
-            self._send(413, {"error": f"body of {length} bytes > max {self.owner.max_body_bytes}"})
+            self._refuse(413, f"body of {length} bytes > max {self.owner.max_body_bytes}")
             return
-        body = self.rfile.read(length)
+        try:
+            body = self.rfile.read(length)
+        except TimeoutError:
+            self._refuse(408, f"the body of {length} bytes did not arrive within {self.timeout} s")
+            return
+        if len(body) < length:
+            self._refuse(400, f"body ended after {len(body)} of {length} bytes (Content-Length)")
+            return
         try:
             obj = json.loads(body)
             answer = self.owner.score_json(obj)
-        except ValueError as exc:  # JSONDecodeError is a ValueError
-            self._send(400, {"error": f"bad request: {exc}"})
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+            self._send(400, {"error": f"bad request: {str(exc)[:2000]}"})
             return
         except Exception as exc:
             self._send(500, {"error": f"{self.owner.model_name} failed: {exc!r}"})
