@@ -61,6 +61,7 @@ from verl_comm.compression.policy import LinkModel, decide_overlap, measure_link
 
 from .graphs import run_path
 from .state import BucketState, CommHookState
+from .stats import BucketRecord
 
 logger = logging.getLogger("verl_comm.hooks")
 
@@ -459,26 +460,24 @@ def _reduce_bucket(
         ev1.record()
     elapsed = time.perf_counter() - start_s
     state._add_pending(
-        {
-            "index": index,
-            "method": path,
-            "numel": buf.numel(),
-            "dtype": str(buf.dtype).replace("torch.", ""),
-            "world_size": coll.world_size,
-            "wire_bytes": res.wire_bytes,
-            "plain_bytes": ring_allreduce_wire_bytes(
-                buf.numel(), coll.world_size, buf.element_size()
-            ),
-            "finite": res.finite,
-            "err_sq": res.err_sq,
-            "in_sq": res.in_sq,
-            "has_residual": res.has_residual,
-            "time_s": elapsed,
-            "start_s": start_s,
-            "submitted_s": start_s if submitted_s is None else submitted_s,
-            "t_start": ev0,
-            "t_end": ev1,
-        }
+        BucketRecord(
+            index=index,
+            method=path,
+            numel=buf.numel(),
+            dtype=str(buf.dtype).replace("torch.", ""),
+            world_size=coll.world_size,
+            wire_bytes=res.wire_bytes,
+            plain_bytes=ring_allreduce_wire_bytes(buf.numel(), coll.world_size, buf.element_size()),
+            finite=res.finite,
+            err_sq=res.err_sq,
+            in_sq=res.in_sq,
+            has_residual=res.has_residual,
+            time_s=elapsed,
+            start_s=start_s,
+            submitted_s=start_s if submitted_s is None else submitted_s,
+            t_start=ev0,
+            t_end=ev1,
+        )
     )
     if is_last:
         state.end_step()
