@@ -13,9 +13,15 @@ Methods (one model + optimizer + hook state each, all alive at once, same seed):
   ``torch_fp16`` (``fp16_compress_hook``), ``torch_powersgd_r<N>`` (``powerSGD_hook``:
   start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True, warm_start=True);
 * ``ours_bf16``, ``ours_int8``, ``ours_lowrank_int8_r<N>``, ``ours_auto`` (int8 low rank
-  r64 with ``policy: auto``), registered with DDP's own ``register_comm_hook``;
+  r64 with ``policy: auto``), registered as a user does: ``verl_comm.hooks.
+  register_comm_hook(ddp, CompressionConfig(...))`` with only the fields the method names
+  (so error statistics are off, the library's default);
 * ``reducer_none`` / ``reducer_int8``: no DDP, the same hooks through
-  ``verl_comm.reducer.BucketedReducer`` (the DeepSpeed path), for its overhead.
+  ``verl_comm.reducer.make_reducer(module, CompressionConfig(...))`` (the trainer's
+  DeepSpeed path, its defaults: ``find_unused_parameters=True``), for its overhead.
+
+Every record carries ``"api": "public"`` and ``non_default``: the settings that differ
+from the defaults of the API the method was built with.
 
 Protocol:
 
@@ -150,6 +156,19 @@ def ours_fields(name: str) -> dict | None:
     return None if r is None else {"gradient_compression": "int8", "compression_rank": r}
 
 
+def ours_config(name: str, bucket_cap_mb: float = 25.0):
+    """The ``CompressionConfig`` a user would write for one of our methods (None if not
+    ours): its fields, every other one the default."""
+    fields = ours_fields(name)
+    if fields is None:
+        return None
+    from verl_comm.compression.config import CompressionConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ranks below 64 are asked for
+        return CompressionConfig(**fields, bucket_cap_mb=bucket_cap_mb)
+
+
 def known(name: str) -> bool:
     """Whether ``name`` is a method this benchmark can build."""
     return (
@@ -251,7 +270,7 @@ class Capture:
 
     def wrap(self, hook):
         def capturing(state, bucket):
-            if self.on and state.config.method == "lowrank_int8":
+            if self.on and getattr(state, "config", None) and state.config.method == "lowrank_int8":
                 state.flush()
                 idx = int(bucket.index())
                 bs = state.buckets.get(idx)
@@ -270,13 +289,27 @@ class Capture:
         return capturing
 
 
+class ProbedDDP(torch.nn.parallel.DistributedDataParallel):
+    """DDP whose ``register_comm_hook`` puts the benchmark's probe and capture around the hook
+    it is given (pass-throughs while off): torch's hooks are registered with DDP's own API,
+    ours with ``verl_comm.hooks.register_comm_hook``, all through this one point."""
+
+    wrap = staticmethod(lambda hook: hook)
+
+    def register_comm_hook(self, state, hook):  # noqa: D102 - DDP's
+        super().register_comm_hook(state, self.wrap(hook))
+
+
 class Method:
-    """One model, its DDP wrapper (or reducer), optimizer and hook state."""
+    """One model, its DDP wrapper (or reducer), optimizer and hook state, each built through
+    the API a user calls: ``register_comm_hook(ddp, CompressionConfig(...))`` for our DDP
+    hooks, ``make_reducer(module, CompressionConfig(...))`` (the trainer's DeepSpeed path)
+    for ``reducer_*``, DDP's ``register_comm_hook`` for torch's; every setting the record
+    does not name is the library's default."""
 
     def __init__(self, name: str, args: argparse.Namespace, device: torch.device) -> None:
-        from verl_comm.compression.config import CompressionConfig
-        from verl_comm.hooks import HOOKS, CommHookState
-        from verl_comm.reducer import BucketedReducer
+        from verl_comm.hooks import register_comm_hook
+        from verl_comm.reducer import make_reducer
 
         self.name, self.device = name, device
         self.loss_scale = args.loss_scale
@@ -288,45 +321,27 @@ class Method:
         self.probe = Probe()
         self.capture = Capture()
         ids = [device.index] if device.type == "cuda" else None
-        fields = ours_fields(name)
-        if fields is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # ranks below 64 are asked for
-                cfg = CompressionConfig(bucket_cap_mb=args.bucket_cap_mb, **fields)
-            self.state = CommHookState(None, cfg, collect_stats=False)
-            hook = self.probe.wrap(self.capture.wrap(HOOKS[cfg.method]))
+        cfg = ours_config(name, args.bucket_cap_mb)
         if name in REDUCER:
-            self.reducer = BucketedReducer(
-                self.module, hook, self.state, bucket_cap_mb=args.bucket_cap_mb,
-                find_unused_parameters=False,  # as DDP's default, which `none` uses
-            )  # fmt: skip
+            self.reducer = make_reducer(self.module, cfg)
+            self.reducer.hook = self.probe.wrap(self.capture.wrap(self.reducer.hook))
+            self.state = self.reducer.state
             self.model = self.module
-        else:
-            self.model = torch.nn.parallel.DistributedDataParallel(
-                self.module, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb
-            )
-            if name == "torch_allreduce":
-                self.model.register_comm_hook(None, self.probe.wrap(default_hooks.allreduce_hook))
-            elif name == "torch_bf16":
-                self.model.register_comm_hook(
-                    None, self.probe.wrap(default_hooks.bf16_compress_hook)
-                )
-            elif name == "torch_fp16":
-                self.model.register_comm_hook(
-                    None, self.probe.wrap(default_hooks.fp16_compress_hook)
-                )
-            elif name.startswith("torch_powersgd_r"):
-                self.state = psgd.PowerSGDState(
-                    process_group=None,
-                    matrix_approximation_rank=_rank_of(name, "torch_powersgd_r"),
-                    start_powerSGD_iter=2,
-                    min_compression_rate=2,
-                    use_error_feedback=True,
-                    warm_start=True,
-                )
-                self.model.register_comm_hook(self.state, self.probe.wrap(psgd.powerSGD_hook))
-            elif fields is not None:
-                self.model.register_comm_hook(self.state, hook)
+            self.opt = torch.optim.SGD(self.module.parameters(), lr=0.0)
+            return
+        self.model = ProbedDDP(self.module, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
+        self.model.wrap = lambda hook: self.probe.wrap(self.capture.wrap(hook))
+        if name == "torch_allreduce":
+            self.model.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif name == "torch_bf16":
+            self.model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif name == "torch_fp16":
+            self.model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif name.startswith("torch_powersgd_r"):
+            self.state = psgd.PowerSGDState(process_group=None, **_config_of(name))
+            self.model.register_comm_hook(self.state, psgd.powerSGD_hook)
+        elif cfg is not None:
+            self.state = register_comm_hook(self.model, cfg)
         self.opt = torch.optim.SGD(self.module.parameters(), lr=0.0)
 
     def step(self, x: torch.Tensor) -> None:
@@ -621,6 +636,7 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
         "date": now_iso(),
         "commit": commit(),
         "world_size": args.world,
+        "api": "public",
         "workload": f"{args.layers}x Linear({args.dim},{args.dim}), input {args.batch}x{args.dim}, "
         f"{'bf16 autocast' if cuda else 'fp32'}, loss mean(out^2)"
         f"{f' x {args.loss_scale:g}' if args.loss_scale != 1 else ''}, SGD, "
@@ -640,7 +656,8 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
     recs = []
     for n in names:
         c = checks[n]
-        info = {**base, "hook": n, "config": _config_of(n), "numerics_ok": c["ok"],
+        info = {**base, "hook": n, "config": _config_of(n, args.bucket_cap_mb),
+                "non_default": non_default(n, args.bucket_cap_mb), "numerics_ok": c["ok"],
                 "rel_error": c["rel_error"], "rel_error_bound": c.get("bound"),
                 **{k: c[k] for k in ("vs_none", "reference", "norm_ratio") if k in c}}  # fmt: skip
         if n in timed:
@@ -676,19 +693,30 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
     return recs
 
 
-def _config_of(name: str) -> dict:
-    """The settings a method ran with (for the records)."""
-    fields = ours_fields(name)
-    if fields is not None:
-        from verl_comm.compression.config import CompressionConfig
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return CompressionConfig(**fields).model_dump()
+def _config_of(name: str, bucket_cap_mb: float = 25.0) -> dict:
+    """The settings a method runs with (our methods: the full ``CompressionConfig``)."""
+    cfg = ours_config(name, bucket_cap_mb)
+    if cfg is not None:
+        return cfg.model_dump()
     r = _rank_of(name, "torch_powersgd_r")
     if r is not None:
         return {"matrix_approximation_rank": r, "start_powerSGD_iter": 2,
                 "min_compression_rate": 2, "use_error_feedback": True, "warm_start": True}  # fmt: skip
+    return {}
+
+
+def non_default(name: str, bucket_cap_mb: float = 25.0) -> dict:
+    """The settings of a method that differ from its API's defaults (ours:
+    ``CompressionConfig``; torch's PowerSGD: ``PowerSGDState``; other torch hooks: none)."""
+    cfg = ours_config(name, bucket_cap_mb)
+    if cfg is not None:
+        return cfg.model_dump(exclude_defaults=True)
+    if _rank_of(name, "torch_powersgd_r") is not None:
+        import inspect
+
+        sig = inspect.signature(psgd.PowerSGDState.__init__).parameters
+        conf = _config_of(name)
+        return {k: v for k, v in conf.items() if sig[k].default != v}
     return {}
 
 
