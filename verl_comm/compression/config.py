@@ -61,7 +61,8 @@ class CompressionConfig(BaseModel):
     residual_dtype: Literal["float32", "bfloat16"] = Field(
         "bfloat16",
         description="Storage dtype of the error-feedback residuals; bfloat16 keeps the state "
-        "at most one bf16 copy of the gradients, float32 is exact but twice that.",
+        "at most one 16-bit copy of the gradients (fp16 for the int8 all-reduce of fp16 "
+        "gradients, e.g. model.half()), float32 is exact but twice that.",
     )
     start_iter: int = Field(
         1,

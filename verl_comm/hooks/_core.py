@@ -106,6 +106,15 @@ def _reduce_cast(method: str):
     return fn
 
 
+def residual_dtype(setting: str, grad_dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of an int8 bucket's residual: ``float32``, or for ``bfloat16`` (16-bit
+    storage) bf16, except fp16 for an fp16 bucket (the quantize kernel pairs a 16-bit
+    residual with its own input dtype; ``model.half()`` must work with the defaults)."""
+    if setting == "float32":
+        return torch.float32
+    return torch.float16 if grad_dtype == torch.float16 else torch.bfloat16
+
+
 def reduce_int8(
     state: CommHookState, bs: BucketState, buf: torch.Tensor, coll: Collective, keep: Keep = ()
 ):
@@ -122,7 +131,7 @@ def reduce_int8(
     if cfg.error_feedback:
         if bs.residual is None or bs.residual.numel() != buf.numel():
             bs.residual = torch.zeros(
-                buf.numel(), dtype=_DTYPES[cfg.residual_dtype], device=buf.device
+                buf.numel(), dtype=residual_dtype(cfg.residual_dtype, buf.dtype), device=buf.device
             )
         res = bs.residual
         for off, n in keep:
