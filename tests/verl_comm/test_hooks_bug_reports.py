@@ -255,3 +255,94 @@ def test_statistics_on_and_off_same_gradients(results):
             for step, (a, b) in enumerate(zip(off, on)):
                 for x, y in zip(a, b):
                     assert torch.equal(x, y), (fields, step)
+
+
+# -- save at step 10, kill -9 at step 12, resume from step 10 -------------------------------
+
+
+class _Layers(torch.nn.Module):
+    """Several parameters in several buckets; ``late`` is registered first but used last,
+    so a fresh DDP's first bucket layout differs from the one it rebuilds to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.late = torch.nn.Linear(24, 8)
+        self.early = torch.nn.Linear(16, 24)
+        self.mid = torch.nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(torch.tanh(self.mid(torch.tanh(self.early(x)))))
+
+
+def _resume_setup(method_fields: dict):
+    from verl_comm.hooks import register_comm_hook
+
+    model = _Layers()
+    cfg = _cfg(bucket_cap_mb=0.004, **method_fields)
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = register_comm_hook(ddp, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, ddp, state, opt
+
+
+def _train_step(ddp, opt, rank: int, step: int) -> bytes:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    opt.zero_grad(set_to_none=True)
+    ddp(torch.randn(8, 16, generator=g)).square().mean().backward()
+    opt.step()
+    return b"".join(p.detach().numpy().tobytes() for p in ddp.module.parameters())
+
+
+def run_crash(rank: int, world: int, tmp: str, fields: dict) -> None:
+    """Steps 1-12: save everything after step 10, SIGKILL this process during step 12."""
+    import os
+    import signal
+
+    model, ddp, state, opt = _resume_setup(fields)
+    for step in range(1, 13):
+        if step == 12:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _train_step(ddp, opt, rank, step)
+        if step == 10:
+            ck = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+            torch.save(ck, Path(tmp) / f"step10_rank{rank}.pt")
+
+
+def run_compare(rank: int, world: int, tmp: str, fields: dict) -> dict:
+    """An uninterrupted run of steps 1-20, then a fresh DDP resumed from the step-10 files."""
+    model, ddp, state, opt = _resume_setup(fields)
+    straight = [_train_step(ddp, opt, rank, step) for step in range(1, 21)]
+    state.close()
+    del ddp
+    model, ddp, state, opt = _resume_setup(fields)
+    ck = torch.load(Path(tmp) / f"step10_rank{rank}.pt", weights_only=False)
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["opt"])
+    state.load_state_dict(ck["hook"])
+    resumed, paths = [], []
+    for step in range(11, 21):
+        resumed.append(_train_step(ddp, opt, rank, step))
+        paths.append(sorted({s.method for s in state.last_stats.values()}))
+    state.close()
+    del ddp
+    return {"straight": straight[10:], "resumed": resumed, "paths": paths}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "fields",
+    [dict(gradient_compression="int8"), dict(gradient_compression="int8", compression_rank=2)],
+)
+def test_resume_after_kill_is_bit_identical(tmp_path, fields):
+    """Bit equality is the documented property of ``state_dict()`` (same CPU, same process
+    count): the resumed steps 11-20 equal the uninterrupted run's, step 11 compressed."""
+    here = Path(__file__).resolve()
+    with pytest.raises(RuntimeError):  # the ranks were killed at step 12
+        spawn(f"{here}:run_crash", 2, (str(tmp_path), fields), timeout_s=120)
+    assert (tmp_path / "step10_rank0.pt").exists() and (tmp_path / "step10_rank1.pt").exists()
+    for r in spawn(f"{here}:run_compare", 2, (str(tmp_path), fields), timeout_s=200):
+        want = ["lowrank_int8" if "compression_rank" in fields else "int8"]
+        assert r["paths"][0] == want, r["paths"]  # step 11 compresses, as uninterrupted
+        for step, (a, b) in enumerate(zip(r["straight"], r["resumed"]), start=11):
+            assert a == b, f"step {step} differs from the uninterrupted run"

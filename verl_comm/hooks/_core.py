@@ -59,6 +59,7 @@ from verl_comm.compression.lowrank import (
 from verl_comm.compression.lowrank import plan_lowrank as _plan_lowrank
 from verl_comm.compression.policy import LinkModel, decide_overlap, measure_link, time_call
 
+from . import resume
 from .graphs import run_path
 from .state import BucketState, CommHookState
 from .stats import BucketRecord
@@ -375,6 +376,9 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     dev = buf.device
     cuda = dev.type == "cuda"
     state.mark_ready(index, is_last, dev)
+    pids = resume.param_ids(state, bucket)
+    if not cuda and resume.should_hold(state, index, pids, (buf.numel(), str(buf.dtype), shapes)):
+        return resume.hold(state, buf, pids, bucket.parameters(), is_last)
     if _uses_worker(state, dev):
         fut: torch.futures.Future = (
             torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
@@ -393,7 +397,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
                 torch.cuda.set_device(dev)
                 torch.cuda.set_stream(stream)  # the worker thread's own current stream
                 stream.wait_event(ready)
-            _reduce_bucket(state, buf, index, shapes, keep, method, is_last, submitted)
+            _reduce_bucket(state, buf, index, shapes, keep, method, is_last, submitted, pids)
             return buf  # set_result records the Future's event on the side stream
 
         def fatal(e: BaseException) -> bool:
@@ -412,7 +416,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
         return out
     fut = torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
     with _side_stream(state, dev):
-        _reduce_bucket(state, buf, index, shapes, keep, method, is_last)
+        _reduce_bucket(state, buf, index, shapes, keep, method, is_last, pids=pids)
         fut.set_result(buf)
     state._submitted_iter = state.iteration
     return fut
@@ -427,6 +431,7 @@ def _reduce_bucket(
     method: str,
     is_last: bool,
     submitted_s: float | None = None,
+    pids: tuple[int, ...] | None = None,
 ) -> None:
     """The whole chain of one bucket (on the side stream, the worker, or inline);
     ``submitted_s``: ``perf_counter`` when the hook handed it to the worker."""
@@ -441,6 +446,7 @@ def _reduce_bucket(
         bs, warm = BucketState(signature, meta), True
     else:
         bs = state.bucket_state(index, signature, meta)
+        bs.params = pids if pids is not None else bs.params
     if dev.type != "cpu":
         bs.tensors_to(dev)
     path = method

@@ -118,5 +118,8 @@ def register_comm_hook(
             stacklevel=2,
         )
     hook, state = make_hook(config, process_group, recorder)
+    # parameters by index, so that a loaded state can be applied in its saved bucket layout
+    # on the first step of a fresh DDP (hooks.resume)
+    state.param_keys = {p.data_ptr(): i for i, p in enumerate(ddp_model.parameters())}
     ddp_model.register_comm_hook(state, hook)
     return state

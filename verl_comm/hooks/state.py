@@ -76,6 +76,7 @@ class BucketState:
     graph: Any = None  # hooks.graphs.BucketGraph (CUDA); never saved
     graph_seen: tuple | None = None
     graph_captures: int = 0
+    params: tuple[int, ...] | None = None  # indices in ddp_model.parameters(), if known
 
     def _tensors(self) -> list[torch.Tensor]:
         lr = self.lowrank
@@ -208,6 +209,8 @@ class CommHookState:
         self._marks: dict[int, tuple[float, Any]] = {}
         self._prev_marks: dict[int, tuple[float, Any]] = {}
         self._link_free_s = float("-inf")
+        self.param_keys: dict[int, int] = {}  # parameter data_ptr -> index in the DDP module
+        self._held: Any = None  # hooks.resume.Held: the first step after a load
 
     # -- execution -------------------------------------------------------------------
     def mark_ready(self, index: int, is_last: bool, device: torch.device) -> None:
@@ -374,6 +377,7 @@ class CommHookState:
                 "residuals": [_clone(r) for r in b.lowrank.residuals],
                 "rest_residual": _clone(b.lowrank.rest_residual),
                 "decision": None if b.decision is None else b.decision.to_dict(),
+                "params": b.params,
             }
         return {
             "format": STATE_FORMAT,
@@ -433,6 +437,8 @@ class CommHookState:
             self.buckets[int(idx)] = BucketState(
                 tuple(b["signature"]), tuple(b["meta"]), _clone(b["residual"]), lr, None, dec
             )
+            pids = b.get("params")
+            self.buckets[int(idx)].params = None if pids is None else tuple(pids)
 
     def __getstate__(self) -> dict[str, Any]:
         # picklable without the process group, the recorder's lock or CUDA streams
