@@ -258,7 +258,8 @@ def test_error_statistics_off_by_default_and_sampled(extra):
             st = state.last_stats[0]
             seen.append(st.rel_error is not None)
             assert st.time_s is not None and st.time_s >= 0 and st.finite
-            assert ("comm/rel_error" in state.metrics()) == seen[-1]
+            # the latest computed value is carried, so the metric keys stay the same
+            assert ("comm/rel_error" in state.metrics()) == any(seen)
         assert seen == [every > 0 and it % every == 0 and it >= 1 for it in range(7)], seen
         outs[every] = got
     for a, b in zip(outs[0], outs[3]):

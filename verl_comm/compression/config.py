@@ -108,7 +108,7 @@ class CompressionConfig(BaseModel):
         "(the default). They cost two extra passes over every bucket (about 6 ms of a 19 ms "
         "step of 403 M bf16 gradients on an H200), and on CUDA such a step runs the buckets "
         "eagerly instead of as CUDA graphs, so sample (e.g. 100) rather than set 1 in "
-        "training. Bytes, compression ratio and finiteness are tracked every step.",
+        "training. Bytes, compression ratio, finiteness and time are tracked every step.",
     )
     warm_start: bool = Field(
         True,

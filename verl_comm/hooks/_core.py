@@ -459,7 +459,7 @@ def _reduce_bucket(
     cuda = dev.type == "cuda"
     start_s = time.perf_counter()
     ev0 = ev1 = None
-    if cuda and state.collect_stats:  # device time per bucket (else host time)
+    if cuda:  # device time per bucket: two event records, read with the step's flags
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ev0.record()
     if buf.numel() == 0:

@@ -30,6 +30,8 @@ from .stats import BucketRecord, BucketStats, comm_record, pack_scalars, resolve
 
 logger = logging.getLogger("verl_comm.hooks")
 
+_ERROR_KEYS = ("comm/rel_error", "comm/residual_norm")
+
 STATE_FORMAT = 1
 """Version of the :meth:`CommHookState.state_dict` layout."""
 
@@ -211,6 +213,7 @@ class CommHookState:
         self._link_free_s = float("-inf")
         self.param_keys: dict[int, int] = {}  # parameter data_ptr -> index in the DDP module
         self._held: Any = None  # hooks.resume.Held: the first step after a load
+        self._error_metrics: dict[str, float] = {}  # latest comm/rel_error, residual_norm
 
     # -- execution -------------------------------------------------------------------
     def mark_ready(self, index: int, is_last: bool, device: torch.device) -> None:
@@ -307,17 +310,21 @@ class CommHookState:
         """Namespaced metrics of the latest completed step (for the trainer's logger).
 
         Keys: ``comm/wire_bytes`` and ``comm/plain_bytes`` (bytes this rank sent / would send
-        uncompressed, summed over buckets), ``comm/compression_ratio``,
-        ``comm/nonfinite_buckets`` (count), ``comm/ef_state_bytes``; ``comm/hook_time_s``
-        (seconds, summed over the buckets whose time was measured: always on CPU, on CUDA
-        on steps with error statistics); ``comm/rel_error`` (mean over buckets) and
-        ``comm/residual_norm`` (L2 over buckets) on steps that computed them (every
-        ``config.stats_every`` iterations). Empty before the first step.
+        uncompressed, summed over buckets), ``comm/compression_ratio``, ``comm/hook_time_s``
+        (seconds, summed; device time on CUDA), ``comm/nonfinite_buckets`` (count),
+        ``comm/ef_state_bytes``; with ``config.stats_every > 0`` also ``comm/rel_error``
+        (mean over buckets) and ``comm/residual_norm`` (L2 over buckets) of the latest step
+        that computed them, so the keys do not change from step to step (ranks reduce the
+        metrics key by key). Empty before the first step.
         """
         st = list(self.last_stats.values())
         if not st:
             return {}
-        return {**summarize(st), "comm/ef_state_bytes": float(self.ef_state_nbytes())}
+        return {
+            **summarize(st),
+            **self._error_metrics,
+            "comm/ef_state_bytes": float(self.ef_state_nbytes()),
+        }
 
     # -- bucket state ----------------------------------------------------------------
     def resuming(self, index: int, signature: tuple, meta: tuple) -> bool:
@@ -520,6 +527,9 @@ class CommHookState:
             if self.recorder is not None:
                 self.recorder.record(comm_record(r, st))
         self.last_stats = {st.index: st for st in stats}
+        errs = {k: v for k, v in summarize(stats).items() if k in _ERROR_KEYS}
+        if errs:
+            self._error_metrics = errs
         if bad:
             if self.config.nonfinite == "raise":
                 raise NonFiniteGradientError(bad, it)

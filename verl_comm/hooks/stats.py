@@ -4,8 +4,7 @@ conversion between them (:func:`resolve_records`).
 
 What is always tracked (no extra pass over a bucket): the path taken, bytes sent, the
 finiteness flag the reduction already computes, and the time of the hook's work (host
-seconds on CPU; on CUDA, device seconds from two events on the steps that compute error
-statistics, else not measured). What costs passes over the bucket (``||M||^2`` of the
+seconds on CPU; on CUDA, device seconds from two events around the bucket's work). What costs passes over the bucket (``||M||^2`` of the
 error-fed input and ``||E||^2`` of the new residual, giving ``rel_error`` and
 ``residual_norm``) is computed only every ``CompressionConfig.stats_every`` reductions
 (0 = never, the default).
@@ -30,8 +29,8 @@ class BucketStats:
         ``fp16``, ``bf16``, ``int8``, ``lowrank_int8``). numel, dtype: of the bucket buffer.
         wire_bytes: bytes this rank sent. plain_bytes: bytes a ring all-reduce of the buffer
         in its own dtype would send. compression_ratio: ``plain_bytes / wire_bytes``.
-        time_s: seconds of the hook's work (CPU: host time; CUDA: device time from events
-        on steps that compute error statistics), None where not measured.
+        time_s: seconds of the hook's work (CPU: host time; CUDA: device time from two
+        events), None where not measured.
         rel_error: ``||M - M^|| / ||M||`` of this rank's input (M with error feedback; for
         int8 the local quantization error), None when not computed this step (see
         ``CompressionConfig.stats_every``). residual_norm: L2 norm of the new error-feedback
@@ -173,7 +172,8 @@ def comm_record(r: BucketRecord, st: BucketStats) -> CommRecord:
 
 
 def summarize(stats: list[BucketStats]) -> dict[str, float]:
-    """The ``comm/*`` metrics of one step's statistics (see ``CommHookState.metrics``)."""
+    """The ``comm/*`` metrics of one step's statistics (see ``CommHookState.metrics``);
+    ``comm/rel_error`` and ``comm/residual_norm`` only if the step computed them."""
     wire = sum(s.wire_bytes for s in stats)
     plain = sum(s.plain_bytes for s in stats)
     times = [s.time_s for s in stats if s.time_s is not None]
