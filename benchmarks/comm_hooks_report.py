@@ -1,7 +1,8 @@
 """The markdown of ``benchmarks/comm_hooks.py``, generated from its JSONL records.
 
 One table per run (``run_id``): methods are compared only within a run. Each run's
-targets (issue 14 at world size 1 and on the shaped link; issue 21 on 2 GPUs) are stated as
+targets (issue 14 at world size 1 and on the shaped link; issue 21 on 2 GPUs; issue 28 at
+world size 1 for runs whose records carry ``"api": "public"``) are stated as
 measured, met or missed. Records without a ``run_id`` (issue 4's runs, each method in its
 own run) stay in the JSONL and are counted, not tabulated.
 
@@ -29,6 +30,12 @@ TARGETS = {
         ("ours_auto", "none", 1.02, 14),
         ("reducer_none", "none", 1.03, 14),
     ],
+    "world1_public": [  # issue 28: every hook built through the API a user calls
+        ("ours_int8", "none", 1.08, 28),
+        ("ours_lowrank_int8_r32", "torch_powersgd_r32", 0.60, 28),
+        ("ours_lowrank_int8_r128", "torch_powersgd_r128", 0.40, 28),
+        ("ours_bf16", "torch_bf16", 1.0, 28),
+    ],
     "shaped": [
         ("ours_int8", "none", 0.60, 14),
         ("ours_int8", "torch_fp16", 0.75, 14),
@@ -52,7 +59,7 @@ CONTEXT = {  # (numerator, denominator, what the ratio says): printed, no target
 
 def _kind(r0: dict) -> str | None:
     if r0.get("world_size") == 1:
-        return "world1"
+        return "world1_public" if r0.get("api") == "public" else "world1"
     if r0.get("transport") in ("shaped_veth", "shaped_loopback"):
         return "shaped"
     return r0.get("transport") if r0.get("transport") in ("socket", "nvlink") else None
@@ -109,7 +116,7 @@ def targets(rs: list[dict], t: dict, syncs: dict, ef: dict) -> list[str]:
     """The run's targets as measured (met / missed / not measured)."""
     kind = _kind(next(r for r in rs if "workload" in r))
     out = []
-    if kind == "world1" and syncs:
+    if kind in ("world1", "world1_public") and syncs:
         ours = {h: r["value"] for h, r in syncs.items() if h.startswith(OURS_AND_REDUCER)}
         worst = max(ours.values()) if ours else None
         got = (
@@ -117,7 +124,8 @@ def targets(rs: list[dict], t: dict, syncs: dict, ef: dict) -> list[str]:
             if worst is None
             else f"max {worst} ({'met' if worst == 0 else 'MISSED'})"
         )
-        out.append(f"- issue 14: host syncs per step 0 for every hook of ours and the reducer: {got}"
+        issue = 28 if kind == "world1_public" else 14
+        out.append(f"- issue {issue}: host syncs per step 0 for every hook of ours and the reducer: {got}"
                    + ("" if not ours else f" ({', '.join(f'{h} {v}' for h, v in ours.items())})"))  # fmt: skip
     for a, b, lim, issue in TARGETS.get(kind, []):
         va, vb = (t.get(a) or {}).get("value"), (t.get(b) or {}).get("value")
@@ -129,7 +137,7 @@ def targets(rs: list[dict], t: dict, syncs: dict, ef: dict) -> list[str]:
                 f"{va / vb:.3f} ({va:.1f} vs {vb:.1f} ms; {'met' if va / vb <= lim else 'MISSED'})"
             )
         out.append(f"- issue {issue}: {a} <= {lim} x {b}: {got}")
-    for a, b, what in CONTEXT.get(kind, []):
+    for a, b, what in CONTEXT.get("world1" if kind == "world1_public" else kind, []):
         va, vb = (t.get(a) or {}).get("value"), (t.get(b) or {}).get("value")
         if va is not None and vb is not None:
             out.append(f"- context: {a} / {b} = {va / vb:.3f} ({what})")

@@ -21,13 +21,17 @@ def test_comm_hooks_smoke(tmp_path):
     assert len({r["run_id"] for r in recs}) == 1  # one run: every method side by side
     for r in recs:
         assert r["benchmark"] == "comm_hooks" and r["transport"] == "gloo"
-        assert r["world_size"] == 2
+        assert r["world_size"] == 2 and r["api"] == "public"
         assert r["device"].startswith("cpu") and r["commit"] and r["date"] and r["versions"]
     for h, r in times.items():
         assert r["numerics_ok"] and r["value"] > 0 and r["unit"] == "ms", h
         assert {x["rank"] for x in recs if x["hook"] == h and x["metric"] == "step_time"} == {
             "max", 0, 1,
         }  # fmt: skip
+    assert times["ours_int8"]["non_default"] == {"gradient_compression": "int8"}
+    assert times["torch_powersgd_r32"]["non_default"] == {
+        "matrix_approximation_rank": 32, "start_powerSGD_iter": 2,
+    }  # fmt: skip
     wire = {r["hook"]: r["value"] for r in recs if r["metric"] == "wire_bytes_per_step"}
     assert wire["compute_only"] == 0
     assert wire["ours_bf16"] * 2 == wire["none"]  # bf16 halves the fp32 ring bytes

@@ -48,7 +48,7 @@ def build(name: str, dev: torch.device):
               "ours_int8": {"gradient_compression": "int8"},
               "ours_lowrank_int8_r32": {"gradient_compression": "int8", "compression_rank": 32}}[name]  # fmt: skip
     cfg = CompressionConfig(**fields)
-    st = CommHookState(None, cfg, collect_stats=False)
+    st = CommHookState(None, cfg)
     return HOOKS[cfg.method], st
 
 

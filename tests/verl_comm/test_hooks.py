@@ -94,7 +94,7 @@ def test_simple_hooks_contract_and_torch_style_state(hook):
 
 @pytest.mark.parametrize("extra", [INT8, LOWRANK])
 def test_compressing_hooks_start_iter_and_invariant(extra):
-    state = CommHookState(config=cfg(start_iter=2, **extra))
+    state = CommHookState(config=cfg(start_iter=2, stats_every=1, **extra))
     hook = HOOKS[state.config.method]
     for it in range(4):
         b = make_bucket(it)
@@ -226,7 +226,7 @@ def test_changed_world_size_or_layout_resets_with_warning():
 
 def test_recorder_and_stats():
     rec = CommRecorder()
-    hook, state = make_hook(cfg(**INT8), recorder=rec)
+    hook, state = make_hook(cfg(stats_every=1, **INT8), recorder=rec)
     assert hook is int8_hook
     for it in range(3):
         hook(state, make_bucket(it, index=0, is_last=False))
@@ -241,6 +241,29 @@ def test_recorder_and_stats():
     m = state.metrics()
     assert m["comm/wire_bytes"] == 0 and m["comm/nonfinite_buckets"] == 0  # W = 1
     assert 0 < m["comm/rel_error"] < 0.05 and m["comm/ef_state_bytes"] > 0
+
+
+@pytest.mark.parametrize("extra", [INT8, LOWRANK])
+def test_error_statistics_off_by_default_and_sampled(extra):
+    """Default config: no error statistics (no extra pass), bytes and time still tracked;
+    ``stats_every=3``: computed on iterations 3 and 6 only (0 is a plain all-reduce, before
+    ``start_iter``), identical output either way."""
+    outs = {}
+    for every in (0, 3):
+        state = CommHookState(config=cfg(stats_every=every, **extra))
+        hook = HOOKS[state.config.method]
+        got, seen = [], []
+        for it in range(7):
+            got.append(hook(state, make_bucket(it)).value().clone())
+            st = state.last_stats[0]
+            seen.append(st.rel_error is not None)
+            assert st.time_s is not None and st.time_s >= 0 and st.finite
+            # the latest computed value is carried, so the metric keys stay the same
+            assert ("comm/rel_error" in state.metrics()) == any(seen)
+        assert seen == [every > 0 and it % every == 0 and it >= 1 for it in range(7)], seen
+        outs[every] = got
+    for a, b in zip(outs[0], outs[3]):
+        assert torch.equal(a, b)  # statistics only read the bucket: bit-equal results
 
 
 def test_error_feedback_memory_at_most_bf16_copy():

@@ -253,7 +253,7 @@ def _capture(hook, state, log):
         fut = hook(state, bucket)
         entry["output"] = fut.wait().detach().clone()
         entry["path"] = (
-            state._pending[-1]["method"] if state._pending else state.last_stats[idx].method
+            state._pending[-1].method if state._pending else state.last_stats[idx].method
         )
         log.append(entry)
         return fut

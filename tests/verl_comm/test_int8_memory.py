@@ -40,7 +40,7 @@ grad = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(dev)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     cfg = CompressionConfig(gradient_compression="int8", start_iter=1, quant_block=block)
-state = CommHookState(config=cfg, collective=LoopbackCollective(w), collect_stats=False)
+state = CommHookState(config=cfg, collective=LoopbackCollective(w))
 bucket = GradBucket(0, params, buffer=buf)
 
 def step():

@@ -61,7 +61,8 @@ class CompressionConfig(BaseModel):
     residual_dtype: Literal["float32", "bfloat16"] = Field(
         "bfloat16",
         description="Storage dtype of the error-feedback residuals; bfloat16 keeps the state "
-        "at most one bf16 copy of the gradients, float32 is exact but twice that.",
+        "at most one 16-bit copy of the gradients (fp16 for the int8 all-reduce of fp16 "
+        "gradients, e.g. model.half()), float32 is exact but twice that.",
     )
     start_iter: int = Field(
         1,
@@ -98,6 +99,16 @@ class CompressionConfig(BaseModel):
         description="CUDA: after a bucket's first compressed step, replay its whole "
         "reduction chain as one CUDA graph (one launch instead of ~20-60 on the host; "
         "verl_comm.hooks.graphs). CPU buckets always run eagerly. False: always eager.",
+    )
+    stats_every: int = Field(
+        0,
+        ge=0,
+        description="Compute each bucket's relative compression error and error-feedback "
+        "residual norm (comm/rel_error, comm/residual_norm) every N-th reduction; 0 = never "
+        "(the default). They cost two extra passes over every bucket (about 6 ms of a 19 ms "
+        "step of 403 M bf16 gradients on an H200), and on CUDA such a step runs the buckets "
+        "eagerly instead of as CUDA graphs, so sample (e.g. 100) rather than set 1 in "
+        "training. Bytes, compression ratio, finiteness and time are tracked every step.",
     )
     warm_start: bool = Field(
         True,

@@ -440,7 +440,7 @@ def lowrank_int8_allreduce(
     if ng:
         p_all = torch.empty(plan.p_numel, dtype=cdt, device=dev)
         q_all = torch.empty(plan.q_numel, dtype=cdt, device=dev)
-        ps, qs, po, qo = [], [], 0, 0
+        ps, qs, q_prevs, po, qo = [], [], [], 0, 0
         # Matrix products in bf16 on CUDA (tensor cores; fp32 gemms were ~16 ms of a step
         # of 24 x 4096^2 at r = 128 on an H200): P and Q travel in int8/bf16 anyway, and
         # the applied approximation is exactly the bf16 product, so error feedback
@@ -453,6 +453,7 @@ def lowrank_int8_allreduce(
             q_prev = state.qs[gi]
             if q_prev is None or not warm_start or q_prev.shape != (g.k, g.m, g.rank):
                 q_prev = torch.randn(g.k, g.m, g.rank, generator=generator).to(dev, cdt)
+            q_prevs.append(q_prev.to(cdt))
             p = p_all[po : po + g.k * g.n * g.rank].view(g.k, g.n, g.rank)
             if gdt == cdt:
                 torch.bmm(ms[gi], q_prev.to(cdt), out=p)
@@ -498,10 +499,14 @@ def lowrank_int8_allreduce(
                     for i, old in kept[gi]:
                         state.residuals[gi][i].copy_(old)
                 del err
+            # A matrix that is zero on every rank (its parameter unused everywhere this
+            # step) gets Q = M^T P = 0, and a zero warm start would stay zero for ever
+            # (P = M 0): keep its previous Q instead (per matrix, on the device, no sync).
+            q_keep = torch.where(q.abs().amax(dim=(-2, -1), keepdim=True) > 0, q, q_prevs[gi])
             if state.qs[gi] is not None and state.qs[gi].shape == q.shape:
-                state.qs[gi].copy_(q)  # in place: a captured CUDA graph reads this tensor
+                state.qs[gi].copy_(q_keep)  # in place: a captured CUDA graph reads this tensor
             else:
-                state.qs[gi] = q.clone()
+                state.qs[gi] = q_keep.clone()
             if approx is None and g.k == 1 and (in_place or out.dtype == cdt):
                 s0 = g.slots[0]
                 torch.bmm(p, q.mT, out=out[s0.offset : s0.offset + s0.numel].view(1, g.n, g.m))

@@ -14,12 +14,18 @@ communicate -> decompress chain runs on the state's worker thread in DDP's bucke
 its Future completes when the bucket is reduced; collectives never start from
 ``Future.then``. :meth:`CommHookState.close` stops the worker.
 
+Statistics (:class:`BucketStats` per bucket, :meth:`CommHookState.metrics`): bytes, ratio,
+finiteness and time cost nothing and are kept every step; the relative compression error
+and residual norm cost two passes over each bucket and are computed every
+``CompressionConfig(stats_every=N)`` reductions, never by default (``N = 0``).
+
 Usage::
 
     from verl_comm.compression import CompressionConfig
     from verl_comm.hooks import register_comm_hook
 
     state = register_comm_hook(ddp_model, CompressionConfig(gradient_compression="int8"))
+    # error statistics every 100 steps: CompressionConfig(..., stats_every=100)
     ...
     torch.save(state.state_dict(), f"hook_state_rank{rank}.pt")  # per rank
 """
@@ -27,7 +33,8 @@ Usage::
 from .bucket import GradBucket, HookBucket
 from .hooks import allreduce_hook, bf16_hook, fp16_hook, int8_hook, lowrank_int8_hook
 from .register import HOOKS, make_hook, register_comm_hook
-from .state import BucketStats, CommHookState, NonFiniteGradientError
+from .state import CommHookState, NonFiniteGradientError
+from .stats import BucketStats
 from .worker import CommWorkerError
 
 __all__ = [

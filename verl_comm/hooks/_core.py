@@ -59,8 +59,10 @@ from verl_comm.compression.lowrank import (
 from verl_comm.compression.lowrank import plan_lowrank as _plan_lowrank
 from verl_comm.compression.policy import LinkModel, decide_overlap, measure_link, time_call
 
+from . import resume
 from .graphs import run_path
 from .state import BucketState, CommHookState
+from .stats import BucketRecord
 
 logger = logging.getLogger("verl_comm.hooks")
 
@@ -105,6 +107,15 @@ def _reduce_cast(method: str):
     return fn
 
 
+def residual_dtype(setting: str, grad_dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of an int8 bucket's residual: ``float32``, or for ``bfloat16`` (16-bit
+    storage) bf16, except fp16 for an fp16 bucket (the quantize kernel pairs a 16-bit
+    residual with its own input dtype; ``model.half()`` must work with the defaults)."""
+    if setting == "float32":
+        return torch.float32
+    return torch.float16 if grad_dtype == torch.float16 else torch.bfloat16
+
+
 def reduce_int8(
     state: CommHookState, bs: BucketState, buf: torch.Tensor, coll: Collective, keep: Keep = ()
 ):
@@ -121,7 +132,7 @@ def reduce_int8(
     if cfg.error_feedback:
         if bs.residual is None or bs.residual.numel() != buf.numel():
             bs.residual = torch.zeros(
-                buf.numel(), dtype=_DTYPES[cfg.residual_dtype], device=buf.device
+                buf.numel(), dtype=residual_dtype(cfg.residual_dtype, buf.dtype), device=buf.device
             )
         res = bs.residual
         for off, n in keep:
@@ -365,6 +376,9 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     dev = buf.device
     cuda = dev.type == "cuda"
     state.mark_ready(index, is_last, dev)
+    pids = resume.param_ids(state, bucket)
+    if not cuda and resume.should_hold(state, index, pids, (buf.numel(), str(buf.dtype), shapes)):
+        return resume.hold(state, buf, pids, bucket.parameters(), is_last)
     if _uses_worker(state, dev):
         fut: torch.futures.Future = (
             torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
@@ -383,7 +397,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
                 torch.cuda.set_device(dev)
                 torch.cuda.set_stream(stream)  # the worker thread's own current stream
                 stream.wait_event(ready)
-            _reduce_bucket(state, buf, index, shapes, keep, method, is_last, submitted)
+            _reduce_bucket(state, buf, index, shapes, keep, method, is_last, submitted, pids)
             return buf  # set_result records the Future's event on the side stream
 
         def fatal(e: BaseException) -> bool:
@@ -402,7 +416,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
         return out
     fut = torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
     with _side_stream(state, dev):
-        _reduce_bucket(state, buf, index, shapes, keep, method, is_last)
+        _reduce_bucket(state, buf, index, shapes, keep, method, is_last, pids=pids)
         fut.set_result(buf)
     state._submitted_iter = state.iteration
     return fut
@@ -417,6 +431,7 @@ def _reduce_bucket(
     method: str,
     is_last: bool,
     submitted_s: float | None = None,
+    pids: tuple[int, ...] | None = None,
 ) -> None:
     """The whole chain of one bucket (on the side stream, the worker, or inline);
     ``submitted_s``: ``perf_counter`` when the hook handed it to the worker."""
@@ -431,6 +446,7 @@ def _reduce_bucket(
         bs, warm = BucketState(signature, meta), True
     else:
         bs = state.bucket_state(index, signature, meta)
+        bs.params = pids if pids is not None else bs.params
     if dev.type != "cpu":
         bs.tensors_to(dev)
     path = method
@@ -443,7 +459,7 @@ def _reduce_bucket(
     cuda = dev.type == "cuda"
     start_s = time.perf_counter()
     ev0 = ev1 = None
-    if cuda and state.collect_stats:  # device time per bucket (else host time)
+    if cuda:  # device time per bucket: two event records, read with the step's flags
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ev0.record()
     if buf.numel() == 0:
@@ -459,26 +475,24 @@ def _reduce_bucket(
         ev1.record()
     elapsed = time.perf_counter() - start_s
     state._add_pending(
-        {
-            "index": index,
-            "method": path,
-            "numel": buf.numel(),
-            "dtype": str(buf.dtype).replace("torch.", ""),
-            "world_size": coll.world_size,
-            "wire_bytes": res.wire_bytes,
-            "plain_bytes": ring_allreduce_wire_bytes(
-                buf.numel(), coll.world_size, buf.element_size()
-            ),
-            "finite": res.finite,
-            "err_sq": res.err_sq,
-            "in_sq": res.in_sq,
-            "has_residual": res.has_residual,
-            "time_s": elapsed,
-            "start_s": start_s,
-            "submitted_s": start_s if submitted_s is None else submitted_s,
-            "t_start": ev0,
-            "t_end": ev1,
-        }
+        BucketRecord(
+            index=index,
+            method=path,
+            numel=buf.numel(),
+            dtype=str(buf.dtype).replace("torch.", ""),
+            world_size=coll.world_size,
+            wire_bytes=res.wire_bytes,
+            plain_bytes=ring_allreduce_wire_bytes(buf.numel(), coll.world_size, buf.element_size()),
+            finite=res.finite,
+            err_sq=res.err_sq,
+            in_sq=res.in_sq,
+            has_residual=res.has_residual,
+            time_s=elapsed,
+            start_s=start_s,
+            submitted_s=start_s if submitted_s is None else submitted_s,
+            t_start=ev0,
+            t_end=ev1,
+        )
     )
     if is_last:
         state.end_step()

@@ -90,8 +90,20 @@ class GradBucket:
     def from_tensors(
         cls, grads: Sequence[torch.Tensor], index: int = 0, is_last: bool = True
     ) -> GradBucket:
-        """Copy ``grads`` into a new flat buffer (dtype of the first) and wrap it."""
-        dtype = grads[0].dtype if grads else torch.float32
+        """Copy ``grads`` into a new flat buffer and wrap it.
+
+        The buffer's dtype is the promotion of the gradients' dtypes
+        (``torch.promote_types``: fp16 + fp32 -> fp32, bf16 + fp16 -> fp32), so no gradient
+        loses precision or range on the way in: casting an fp32 gradient to fp16 would
+        flush 1e-8 to zero and turn 1e5 into Inf without a word. A bucket is one flat
+        buffer (torch's GradBucket contract), so mixed dtypes cost the wider dtype's bytes;
+        build one bucket per dtype (as DDP and the bucketed reducer do) to avoid that.
+        """
+        dtype = torch.float32
+        if grads:
+            dtype = grads[0].dtype
+            for g in grads[1:]:
+                dtype = torch.promote_types(dtype, g.dtype)
         flat = torch.cat([g.reshape(-1).to(dtype) for g in grads]) if grads else torch.zeros(0)
         return cls(index, grads, is_last, buffer=flat)
 

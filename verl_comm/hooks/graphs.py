@@ -17,6 +17,8 @@ Rules kept here:
   rebuilt its buckets, a state was loaded, a parameter got no gradient) runs eagerly
   again and is captured at the next step; after ``MAX_CAPTURES`` captures of one bucket
   it stays eager (a warning says so);
+* a step that computes error statistics (``CompressionConfig.stats_every``) runs eagerly
+  and leaves the captured graph as it is;
 * low rank is captured only with ``warm_start`` (a fresh random Q per step is drawn on the
   host);
 * all graphs of a state share one memory pool and replay on one side stream in capture
@@ -100,6 +102,8 @@ def run_path(
 def _eligible(state: Any, bs: Any, path: str, buf: torch.Tensor) -> bool:
     cfg = state.config
     if not (buf.is_cuda and cfg.cuda_graph and not state._graphs_off and buf.numel()):
+        return False
+    if state.collect_stats:  # a sampled statistics step runs eagerly; the graph stays
         return False
     return path != "lowrank_int8" or cfg.warm_start
 

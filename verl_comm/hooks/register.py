@@ -33,7 +33,6 @@ def make_hook(
     recorder: CommRecorder | None = None,
     *,
     seed: int = 0,
-    collect_stats: bool = True,
     timeout_s: float = 300.0,
 ) -> tuple[HookFn, CommHookState]:
     """The hook function selected by ``config`` and a fresh state for it.
@@ -43,8 +42,6 @@ def make_hook(
         process_group: group to average over; None = WORLD.
         recorder: optional telemetry sink (one record per bucket and step).
         seed: low-rank start-vector seed (equal on all ranks).
-        collect_stats: track relative error and residual norm per bucket (two extra
-            reductions over each bucket; turn off for timing runs).
         timeout_s: how long the state waits for buckets in flight on its worker.
 
     Returns:
@@ -64,7 +61,6 @@ def make_hook(
         config,
         recorder=recorder,
         seed=seed,
-        collect_stats=collect_stats,
         timeout_s=timeout_s,
     )
     return HOOKS[config.method], state
@@ -122,5 +118,8 @@ def register_comm_hook(
             stacklevel=2,
         )
     hook, state = make_hook(config, process_group, recorder)
+    # parameters by index, so that a loaded state can be applied in its saved bucket layout
+    # on the first step of a fresh DDP (hooks.resume)
+    state.param_keys = {p.data_ptr(): i for i, p in enumerate(ddp_model.parameters())}
     ddp_model.register_comm_hook(state, hook)
     return state

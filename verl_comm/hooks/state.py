@@ -24,9 +24,13 @@ from verl_comm.compression.collective import Collective, LocalCollective, Proces
 from verl_comm.compression.config import CompressionConfig
 from verl_comm.compression.lowrank import FactorWire, LowRankBucketState, LowRankPlan
 from verl_comm.compression.policy import LinkModel, PolicyDecision
-from verl_comm.telemetry import CommRecord, CommRecorder
+from verl_comm.telemetry import CommRecorder
+
+from .stats import BucketRecord, BucketStats, comm_record, pack_scalars, resolve_records, summarize
 
 logger = logging.getLogger("verl_comm.hooks")
+
+_ERROR_KEYS = ("comm/rel_error", "comm/residual_norm")
 
 STATE_FORMAT = 1
 """Version of the :meth:`CommHookState.state_dict` layout."""
@@ -48,41 +52,6 @@ class NonFiniteGradientError(RuntimeError):
             f"iteration {iteration}: at least one rank produced NaN/Inf; fix the loss scale "
             "or learning rate, or set nonfinite='skip' to drop the update of such buckets"
         )
-
-
-@dataclass
-class BucketStats:
-    """Statistics of one bucket reduction as seen by this rank.
-
-    Attributes:
-        index: ``bucket.index()``. iteration: hook iteration. method: path taken (``allreduce``,
-        ``fp16``, ``bf16``, ``int8``, ``lowrank_int8``). numel, dtype: of the bucket buffer.
-        wire_bytes: bytes this rank sent. plain_bytes: bytes a ring all-reduce of the buffer
-        in its own dtype would send. compression_ratio: ``plain_bytes / wire_bytes``.
-        time_s: seconds of the hook's work (device time via CUDA events on GPU).
-        rel_error: ``||M - M^|| / ||M||`` of this rank's input (M with error feedback; for
-        int8 the local quantization error), None when not tracked. residual_norm: L2 norm of
-        the new error-feedback residual, None without error feedback. finite: the reduced
-        bucket was finite. skipped: the update was zeroed (``nonfinite='skip'``).
-    """
-
-    index: int
-    iteration: int
-    method: str
-    numel: int
-    dtype: str
-    wire_bytes: int
-    plain_bytes: int
-    compression_ratio: float
-    time_s: float
-    rel_error: float | None
-    residual_norm: float | None
-    finite: bool
-    skipped: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict (JSON-serialisable)."""
-        return asdict(self)
 
 
 @dataclass
@@ -109,6 +78,7 @@ class BucketState:
     graph: Any = None  # hooks.graphs.BucketGraph (CUDA); never saved
     graph_seen: tuple | None = None
     graph_captures: int = 0
+    params: tuple[int, ...] | None = None  # indices in ddp_model.parameters(), if known
 
     def _tensors(self) -> list[torch.Tensor]:
         lr = self.lowrank
@@ -185,8 +155,6 @@ class CommHookState:
             :class:`~verl_comm.telemetry.CommRecord` per bucket and step is appended.
         seed: seed of the CPU generator drawing low-rank start vectors (must be equal on
             all ranks, so that Q starts identical everywhere).
-        collect_stats: compute relative error and residual norms (two extra reductions over
-            the bucket per step); bytes, time and finiteness are always tracked.
         collective: a :class:`~verl_comm.compression.Collective` to use instead of
             ``process_group`` (custom transports, one-process simulations); not saved.
         timeout_s: seconds the hook of the last bucket, :meth:`flush` and
@@ -216,7 +184,6 @@ class CommHookState:
         *,
         recorder: CommRecorder | None = None,
         seed: int = 0,
-        collect_stats: bool = True,
         collective: Collective | None = None,
         timeout_s: float = 300.0,
     ) -> None:
@@ -224,7 +191,6 @@ class CommHookState:
         self.config = config if config is not None else CompressionConfig()
         self.recorder = recorder
         self.seed = seed
-        self.collect_stats = collect_stats
         self.iteration = 0
         self.generator = torch.Generator().manual_seed(seed)
         self.buckets: dict[int, BucketState] = {}
@@ -232,7 +198,7 @@ class CommHookState:
         self.nonfinite_events: list[tuple[int, int]] = []
         self.link: LinkModel | None = None
         self._coll: Collective | None = collective
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[BucketRecord] = []
         self._streams: dict[torch.device, Any] = {}
         self._deferred: dict[str, Any] | None = None
         self._resume_until = 0  # after a load: first iteration DDP has surely rebuilt by
@@ -241,10 +207,13 @@ class CommHookState:
         self._submitted_iter = 0
         self._graphs_off = False  # a capture failed: every bucket runs eagerly
         self._graph_pools: dict[torch.device, Any] = {}
-        self._inflight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], int]] = []
+        self._inflight: list[tuple[Any, torch.Tensor, list[BucketRecord], int]] = []
         self._marks: dict[int, tuple[float, Any]] = {}
         self._prev_marks: dict[int, tuple[float, Any]] = {}
         self._link_free_s = float("-inf")
+        self.param_keys: dict[int, int] = {}  # parameter data_ptr -> index in the DDP module
+        self._held: Any = None  # hooks.resume.Held: the first step after a load
+        self._error_metrics: dict[str, float] = {}  # latest comm/rel_error, residual_norm
 
     # -- execution -------------------------------------------------------------------
     def mark_ready(self, index: int, is_last: bool, device: torch.device) -> None:
@@ -328,35 +297,34 @@ class CommHookState:
         """Bytes of error-feedback residuals and Q factors held by this rank."""
         return sum(b.nbytes() for b in self.buckets.values())
 
+    @property
+    def collect_stats(self) -> bool:
+        """Whether the reduction of the current iteration computes error statistics
+        (``rel_error``, ``residual_norm``): every ``config.stats_every`` iterations, never
+        when it is 0 (the default). They cost two passes over each bucket, and on CUDA the
+        bucket runs eagerly instead of as its CUDA graph that step."""
+        every = self.config.stats_every
+        return every > 0 and self.iteration % every == 0
+
     def metrics(self) -> dict[str, float]:
         """Namespaced metrics of the latest completed step (for the trainer's logger).
 
         Keys: ``comm/wire_bytes`` and ``comm/plain_bytes`` (bytes this rank sent / would send
         uncompressed, summed over buckets), ``comm/compression_ratio``, ``comm/hook_time_s``
-        (seconds, summed), ``comm/rel_error`` (mean over buckets that track it),
-        ``comm/residual_norm`` (L2 over buckets), ``comm/nonfinite_buckets`` (count),
-        ``comm/ef_state_bytes``. Empty before the first step.
+        (seconds, summed; device time on CUDA), ``comm/nonfinite_buckets`` (count),
+        ``comm/ef_state_bytes``; with ``config.stats_every > 0`` also ``comm/rel_error``
+        (mean over buckets) and ``comm/residual_norm`` (L2 over buckets) of the latest step
+        that computed them, so the keys do not change from step to step (ranks reduce the
+        metrics key by key). Empty before the first step.
         """
         st = list(self.last_stats.values())
         if not st:
             return {}
-        wire = sum(s.wire_bytes for s in st)
-        plain = sum(s.plain_bytes for s in st)
-        rel = [s.rel_error for s in st if s.rel_error is not None]
-        res = [s.residual_norm for s in st if s.residual_norm is not None]
-        out = {
-            "comm/wire_bytes": float(wire),
-            "comm/plain_bytes": float(plain),
-            "comm/compression_ratio": plain / wire if wire else 1.0,
-            "comm/hook_time_s": sum(s.time_s for s in st),
-            "comm/nonfinite_buckets": float(sum(not s.finite for s in st)),
+        return {
+            **summarize(st),
+            **self._error_metrics,
             "comm/ef_state_bytes": float(self.ef_state_nbytes()),
         }
-        if rel:
-            out["comm/rel_error"] = sum(rel) / len(rel)
-        if res:
-            out["comm/residual_norm"] = sum(r * r for r in res) ** 0.5
-        return out
 
     # -- bucket state ----------------------------------------------------------------
     def resuming(self, index: int, signature: tuple, meta: tuple) -> bool:
@@ -416,6 +384,7 @@ class CommHookState:
                 "residuals": [_clone(r) for r in b.lowrank.residuals],
                 "rest_residual": _clone(b.lowrank.rest_residual),
                 "decision": None if b.decision is None else b.decision.to_dict(),
+                "params": b.params,
             }
         return {
             "format": STATE_FORMAT,
@@ -475,6 +444,8 @@ class CommHookState:
             self.buckets[int(idx)] = BucketState(
                 tuple(b["signature"]), tuple(b["meta"]), _clone(b["residual"]), lr, None, dec
             )
+            pids = b.get("params")
+            self.buckets[int(idx)].params = None if pids is None else tuple(pids)
 
     def __getstate__(self) -> dict[str, Any]:
         # picklable without the process group, the recorder's lock or CUDA streams
@@ -502,7 +473,7 @@ class CommHookState:
         for dev, stream in self._streams.items():
             torch.cuda.current_stream(dev).wait_stream(stream)
 
-    def _add_pending(self, item: dict[str, Any]) -> None:
+    def _add_pending(self, item: BucketRecord) -> None:
         self._pending.append(item)
 
     def end_step(self) -> None:
@@ -519,17 +490,8 @@ class CommHookState:
         self.iteration += 1
         if not pending:
             return
-        dev = pending[0]["finite"].device
-        if any(p["err_sq"] is not None or p["in_sq"] is not None for p in pending):
-            nan = torch.full((), float("nan"), dtype=torch.float32, device=dev)
-            scalars = []
-            for p in pending:
-                for v in (p["finite"], p["err_sq"], p["in_sq"]):
-                    scalars.append(nan if v is None else v.to(dev, torch.float32).reshape(()))
-            vals = torch.stack(scalars)
-        else:  # no statistics tracked: the finiteness flags alone, one small stack
-            vals = torch.stack([p["finite"].reshape(()) for p in pending]).float()
-        if dev.type == "cuda":
+        vals = pack_scalars(pending)
+        if vals.is_cuda:
             host = torch.empty(vals.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(vals, non_blocking=True)
             ev = torch.cuda.Event()
@@ -551,73 +513,23 @@ class CommHookState:
             self._inflight.pop(0)
             self._apply(host, pending, it)
 
-    def _apply(self, vals: torch.Tensor, pending: list[dict[str, Any]], it: int) -> None:
-        flat = vals.view(-1).tolist()
-        if len(flat) == len(pending):  # flags only
-            rows = [(ok, float("nan"), float("nan")) for ok in flat]
-        else:
-            rows = [flat[3 * k : 3 * k + 3] for k in range(len(pending))]
+    def _apply(self, vals: torch.Tensor, pending: list[BucketRecord], it: int) -> None:
+        skip = self.config.nonfinite == "skip"
+        stats = resolve_records(vals, pending, it, skip)
         bad: list[int] = []
-        stats: dict[int, BucketStats] = {}
-        for p, (ok, e, i) in zip(pending, rows):
-            ok = ok == 1.0
-            if p["t_end"] is not None:  # CUDA events (completed: the copy after them landed)
-                time_s = p["t_start"].elapsed_time(p["t_end"]) / 1e3
-            else:
-                time_s = p["time_s"]
-            rel = res = None
-            if e == e and i == i:  # both tracked (not NaN)
-                rel = (e / i) ** 0.5 if i > 0 else 0.0
-                if p["has_residual"]:
-                    res = e**0.5
-            wire = p["wire_bytes"]
-            skipped = (not ok) and self.config.nonfinite == "skip"
-            st = BucketStats(
-                index=p["index"],
-                iteration=it,
-                method=p["method"],
-                numel=p["numel"],
-                dtype=p["dtype"],
-                wire_bytes=wire,
-                plain_bytes=p["plain_bytes"],
-                compression_ratio=p["plain_bytes"] / wire if wire else 1.0,
-                time_s=time_s,
-                rel_error=rel,
-                residual_norm=res,
-                finite=bool(ok),
-                skipped=skipped,
-            )
-            stats[p["index"]] = st
-            if not ok:
-                bad.append(p["index"])
-                self.nonfinite_events.append((it, p["index"]))
-                bs = self.buckets.get(p["index"])
-                if bs is not None and p["finite"].device.type == "cpu":
+        for r, st in zip(pending, stats):
+            if not st.finite:
+                bad.append(r.index)
+                self.nonfinite_events.append((it, r.index))
+                bs = self.buckets.get(r.index)
+                if bs is not None and not r.finite.is_cuda:
                     bs.reset()  # residuals / Q hold NaN now (CUDA: zeroed on the device)
             if self.recorder is not None:
-                self.recorder.record(
-                    CommRecord(
-                        op=p["method"],
-                        nbytes=wire,
-                        group_size=p["world_size"],
-                        duration_s=time_s,
-                        tag=f"hook/{p['method']}/bucket{p['index']}",
-                        start_s=p["start_s"],
-                        extra={
-                            k: float(v)
-                            for k, v in (
-                                ("compression_ratio", st.compression_ratio),
-                                ("rel_error", rel),
-                                ("residual_norm", res),
-                                ("finite", float(ok)),
-                                ("iteration", float(it)),
-                                ("submitted_s", p["submitted_s"]),
-                            )
-                            if v is not None
-                        },
-                    )
-                )
-        self.last_stats = stats
+                self.recorder.record(comm_record(r, st))
+        self.last_stats = {st.index: st for st in stats}
+        errs = {k: v for k, v in summarize(stats).items() if k in _ERROR_KEYS}
+        if errs:
+            self._error_metrics = errs
         if bad:
             if self.config.nonfinite == "raise":
                 raise NonFiniteGradientError(bad, it)

@@ -18,8 +18,6 @@ def make_reducer(
     config: CompressionConfig,
     process_group: dist.ProcessGroup | None = None,
     recorder: CommRecorder | None = None,
-    *,
-    collect_stats: bool = True,
     **kwargs: Any,
 ) -> BucketedReducer:
     """A reducer whose buckets go through the hook ``config`` selects.
@@ -31,8 +29,6 @@ def make_reducer(
         process_group: group to average over (None = WORLD), used by hook and reducer.
         recorder: optional telemetry sink shared by the hook (wire bytes per bucket)
             and the reducer (one ``bucket_reduce`` record per bucket).
-        collect_stats: let the hook state compute relative error and residual norms
-            per bucket (extra local reductions; bytes and time are always tracked).
         **kwargs: further :class:`BucketedReducer` arguments (``grad_attr``,
             ``sync_predicate``, ``timeout_s``, ``first_bucket_cap_mb``, ...).
 
@@ -46,9 +42,7 @@ def make_reducer(
     from verl_comm.hooks import make_hook  # the hooks import torch.distributed helpers
 
     timeout_s = kwargs.get("timeout_s", 300.0)
-    hook, state = make_hook(
-        config, process_group, recorder, collect_stats=collect_stats, timeout_s=timeout_s
-    )
+    hook, state = make_hook(config, process_group, recorder, timeout_s=timeout_s)
     return BucketedReducer(
         params,
         hook,
