@@ -335,6 +335,33 @@ def _uses_worker(state: CommHookState, dev: torch.device) -> bool:
     return dev.type != "cuda" and coll.world_size > 1
 
 
+LANES = 2
+"""Worker lanes on gloo: as many collectives in flight as gloo's default of two threads per
+process group lets torch's async hooks have (``benchmarks/slow_link_trace.py`` shows why)."""
+
+
+def _lane_of(state: CommHookState, worker: Any, method: str, index: int) -> int:
+    """The worker lane of bucket ``index``: ``index % LANES`` for chains that touch no state
+    shared between buckets (plain, fp16, bf16, int8 with its per-bucket residual, without
+    ``policy: auto``) over WORLD; 0 for low rank (the state's generator draws warm-start
+    factors, the link model is measured once), for ``auto`` (its decisions are made in
+    bucket order) and for a state on a subgroup. Opening the lanes makes a process group
+    over WORLD: every rank does it at the same hook call."""
+    if method == "lowrank_int8" or (method in COMPRESSING and state.config.policy == "auto"):
+        return 0
+    if worker.lanes < LANES:
+        group = getattr(state.collective, "group", None)
+        if group is not None and group != dist.group.WORLD:
+            return 0  # a new group would need every rank of WORLD to make it with us
+
+        def make() -> Collective:
+            # every rank makes it (WORLD), in the same order: a numbered group name
+            return ProcessGroupCollective(dist.new_group(backend=dist.get_backend()))
+
+        worker.open_lanes(LANES, make)
+    return index % LANES
+
+
 def _side(state: CommHookState, dev: torch.device) -> Any:
     stream = state._streams.get(dev)
     if stream is None:
@@ -370,6 +397,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
             torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
         )
         worker = state.worker()
+        lane = _lane_of(state, worker, method, index)
         it = state._submitted_iter
         submitted = time.perf_counter()
         ready = None
@@ -377,13 +405,16 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(dev))
 
-        def job() -> torch.Tensor:
+        def job(coll: Collective | None) -> torch.Tensor:
             if ready is not None:
                 stream = _side(state, dev)
                 torch.cuda.set_device(dev)
                 torch.cuda.set_stream(stream)  # the worker thread's own current stream
                 stream.wait_event(ready)
-            _reduce_bucket(state, buf, index, shapes, keep, method, is_last, submitted)
+            _reduce_bucket(state, buf, index, shapes, keep, method, False, submitted, coll)
+            if is_last:  # the step's statistics need every bucket of it
+                worker.wait_earlier(state.timeout_s)
+                state.end_step()
             return buf  # set_result records the Future's event on the side stream
 
         def fatal(e: BaseException) -> bool:
@@ -391,7 +422,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
 
             return not isinstance(e, NonFiniteGradientError)
 
-        worker.submit(job, fut, f"bucket {index} ({method}) at iteration {it}", fatal)
+        worker.submit(job, fut, f"bucket {index} ({method}) at iteration {it}", fatal, lane)
         # A Python Future's set_exception stores the error as its value, which DDP's C++
         # reducer would then try to cast to a Tensor; unwrapping it in a callback (no
         # collective there) turns it into a real error of the returned Future.
@@ -417,11 +448,13 @@ def _reduce_bucket(
     method: str,
     is_last: bool,
     submitted_s: float | None = None,
+    lane_coll: Collective | None = None,
 ) -> None:
     """The whole chain of one bucket (on the side stream, the worker, or inline);
-    ``submitted_s``: ``perf_counter`` when the hook handed it to the worker."""
+    ``submitted_s``: ``perf_counter`` when the hook handed it to the worker; ``lane_coll``:
+    the worker lane's own collective (None: the state's)."""
     cfg = state.config
-    coll = state.collective
+    coll = state.collective if lane_coll is None else lane_coll
     dev = buf.device
     signature = (buf.numel(), str(buf.dtype), shapes)
     meta = (method, cfg.compression_rank or 0, cfg.quant_block, cfg.residual_dtype)
