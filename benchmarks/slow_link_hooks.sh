@@ -34,9 +34,9 @@ ip -n "$NS0" link set "$V0" up && ip -n "$NS1" link set "$V1" up || exit 1
 tc -n "$NS0" qdisc add dev "$V0" root tbf rate "${MBIT}mbit" burst 256kb latency 100ms || exit 1
 tc -n "$NS1" qdisc add dev "$V1" root tbf rate "${MBIT}mbit" burst 256kb latency 100ms || exit 1
 RUN_ID=${RUN_ID:-$($PY -c "import uuid; print(uuid.uuid4().hex[:12])")}
-METHODS=${METHODS:-compute_only,none,torch_fp16,torch_powersgd_r8,ours_int8,ours_lowrank_int8_r8,ours_auto}
+METHODS=${METHODS:-compute_only,none,torch_fp16,ours_bf16,ours_int8,ours_lowrank_int8_r8,ours_auto}
 ARGS=(--cpu --transport shaped_veth --link-mbit "$MBIT" --run-id "$RUN_ID" --layers 6 --dim 2048
-      --batch 64 --loss-scale 1024 --warmup 4 --rounds "${ROUNDS:-5}" --pg-timeout-s "${PG_TIMEOUT_S:-120}" --out "$OUT")
+      --batch 64 --loss-scale 1024 --warmup 4 --rounds "${ROUNDS:-9}" --pg-timeout-s "${PG_TIMEOUT_S:-120}" --out "$OUT")
 if [ "${TRACE:-0}" = 1 ]; then  # per-bucket timeline instead (benchmarks/slow_link_trace.py)
   for r in 0 1; do
     ns=$NS0 dev=$V0; [ $r = 1 ] && ns=$NS1 dev=$V1

@@ -14,7 +14,10 @@ backward):
   every Future); ``step``: the optimizer step ended.
 
 Rank 0 prints one JSON line per method and step (``{"method", "round", "events": [...]}``).
-Run by ``benchmarks/slow_link_hooks.sh`` with ``TRACE=1`` (same namespaces and link).
+Run by ``benchmarks/slow_link_hooks.sh`` with ``TRACE=1`` (same namespaces and link);
+``python benchmarks/slow_link_trace.py --summarize FILE`` prints per step: the collective
+window (first start to last end), the time some collective was running in it (busy), and
+how long backward ran on after the last hook (the exposed tail).
 """
 
 from __future__ import annotations
@@ -120,14 +123,50 @@ def build(name: str, dim: int, layers: int):
     return ddp, opt, state
 
 
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def summarize(path: str) -> None:
+    """One line per traced step of ``path`` (this script's output)."""
+    for line in open(path):
+        if not line.startswith("{"):
+            continue
+        d = json.loads(line)
+        starts: dict = {}
+        spans = []
+        for e in d["events"]:
+            key = (e["bucket"], e.get("op"))
+            if e["kind"] == "c0":
+                starts.setdefault(key, []).append(e["t"])
+            elif e["kind"] == "c1":
+                spans.append((starts[key].pop(0), e["t"]))
+        last_hook = max(e["t"] for e in d["events"] if e["kind"] == "hook")
+        w0, w1 = min(a for a, _ in spans), max(b for _, b in spans)
+        busy = _union(spans)
+        print(f"{d['method']:11s} r{d['round']} backward ends {d['bwd']:7.1f} ms, step "
+              f"{d['step']:7.1f} | collectives {w0:7.1f}-{w1:7.1f} ({len(spans)}), busy "
+              f"{busy:6.1f} of {w1 - w0:6.1f} ms ({busy / (w1 - w0):4.0%}) | after the last "
+              f"hook {d['bwd'] - last_hook:6.1f} ms")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--summarize", metavar="FILE", help="summarize a trace instead")
     p.add_argument("--methods", default="none,torch_fp16,ours_bf16,ours_int8")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--layers", type=int, default=6)
     a = p.parse_args()
+    if a.summarize:
+        summarize(a.summarize)
+        return
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
