@@ -498,3 +498,19 @@ def test_choose_method_takes_the_chain_that_ends_first():
     close = {"bf16": PathCost(plain // 2, 1, 0.0), "int8": PathCost(plain // 4, 2, 0.18)}
     d = choose_method(gbit, plain_bytes=plain, options=close, shadow_s=0.0, link_free_s=0.0)
     assert d.options["bf16"] - d.options["int8"] < 0.05 * d.t_plain_s and d.method == "bf16"
+
+
+def test_describe_choices_names_each_bucket_path_and_the_link():
+    from types import SimpleNamespace
+
+    from verl_comm.compression.policy import LinkModel, PathCost, choose_method, describe_choices
+
+    link = LinkModel(alpha_s=1e-4, beta_s_per_byte=8e-9, world_size=2)  # 1000 Mbit/s
+    d = choose_method(
+        link, plain_bytes=10**8, options={"int8": PathCost(25 * 10**6, 2, 0.06)},
+        shadow_s=0.0, link_free_s=0.0,
+    )  # fmt: skip
+    assert describe_choices({0: SimpleNamespace(decision=None)}) is None
+    line = describe_choices({1: SimpleNamespace(decision=d), 0: SimpleNamespace(decision=None)})
+    assert line.startswith("bucket 1 int8 (allreduce 800, int8 260)"), line
+    assert "link 1000 Mbit/s, 100 us" in line

@@ -296,3 +296,23 @@ def choose_method(
         method=chosen,
         options={m: round(e, 6) for m, e in ends.items()},
     )
+
+
+def describe_choices(buckets: dict) -> str | None:
+    """One line saying what ``policy: auto`` chose per bucket and why (predicted end of each
+    path's chain, ms from the end of backward, and the link it measured); None before any
+    decision. ``buckets``: bucket index -> an object with ``decision`` (a hook state's
+    ``buckets``)."""
+    decs = {i: b.decision for i, b in sorted(buckets.items()) if b.decision is not None}
+    if not decs:
+        return None
+    parts = []
+    for i, d in decs.items():
+        ends = ", ".join(f"{m} {e * 1e3:.0f}" for m, e in (d.options or {}).items())
+        parts.append(f"bucket {i} {d.path}" + (f" ({ends})" if ends else ""))
+    d0 = next(iter(decs.values()))
+    bw = 8e-6 / d0.beta_s_per_byte if d0.beta_s_per_byte > 0 else float("inf")
+    return (
+        "; ".join(parts)
+        + f" | chain ends in ms after backward, link {bw:.0f} Mbit/s, {d0.alpha_s * 1e6:.0f} us"
+    )
