@@ -7,7 +7,8 @@
 # The loopback device is never touched (other jobs on the machine rely on its speed).
 #
 # Usage (root, iproute2):  bash benchmarks/slow_link_hooks.sh OUTDIR [RATE_MBIT]   # 1000
-# TRACE=1 METHODS=none,torch_fp16,ours_bf16: per-bucket timelines (benchmarks/slow_link_trace.py)
+# TRACE=1 METHODS=torch_fp16,ours_int8@1,ours_int8 [TRACE_ARGS="--rounds 5"]: per-bucket timelines
+# (benchmarks/slow_link_trace.py)
 # on stdout instead of the benchmark.
 # Appends to OUTDIR/comm_hooks.jsonl (transport "shaped_veth", link_mbit) and regenerates
 # OUTDIR/comm_hooks.md. torch's powerSGD_hook can hang or mismatch collectives on gloo (it
@@ -42,7 +43,7 @@ if [ "${TRACE:-0}" = 1 ]; then  # per-bucket timeline instead (benchmarks/slow_l
     ns=$NS0 dev=$V0; [ $r = 1 ] && ns=$NS1 dev=$V1
     ip netns exec "$ns" env RANK=$r WORLD_SIZE=2 MASTER_ADDR=10.77.0.1 MASTER_PORT=29561 \
       GLOO_SOCKET_IFNAME="$dev" OMP_NUM_THREADS=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" \
-      timeout "${ATTEMPT_S:-900}" $PY benchmarks/slow_link_trace.py --methods "${METHODS}" &
+      timeout "${ATTEMPT_S:-900}" $PY benchmarks/slow_link_trace.py --methods "${METHODS}" ${TRACE_ARGS:-} &
   done
   wait
   exit 0

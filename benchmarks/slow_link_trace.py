@@ -5,6 +5,8 @@ workload (6 x Linear(2048, 2048), bucket_cap_mb 25, batch 64, loss x 1024), afte
 steps, one step is traced on every rank with ``time.perf_counter`` (ms from the start of
 backward):
 
+Methods ``ours_<m>@<L>`` hold our gloo worker to ``L`` lanes (an A/B of the lanes).
+
 * ``hook``: DDP called the bucket's hook; ``ret``: the hook returned;
 * ``c0``/``c1``: each collective of the bucket started / completed (``torch.distributed``'s
   ``all_reduce`` / ``all_to_all_single`` / ``all_gather_into_tensor`` wrapped in this
@@ -103,6 +105,11 @@ def _ours_job_tag(state) -> None:
     _core._reduce_bucket = tagged
 
 
+def _lanes(name: str) -> int | None:
+    """``ours_int8@1``: our hook with its gloo worker held to 1 lane (an A/B of the lanes)."""
+    return int(name.split("@")[1]) if "@" in name else None
+
+
 def build(name: str, dim: int, layers: int):
     from verl_comm.compression.config import CompressionConfig
     from verl_comm.hooks import HOOKS, CommHookState
@@ -116,7 +123,8 @@ def build(name: str, dim: int, layers: int):
     elif name == "torch_fp16":
         ddp.register_comm_hook(None, _traced_hook(default_hooks.fp16_compress_hook))
     else:
-        cfg = CompressionConfig(gradient_compression=name.removeprefix("ours_"), bucket_cap_mb=25)
+        method = name.split("@")[0].removeprefix("ours_")
+        cfg = CompressionConfig(gradient_compression=method, bucket_cap_mb=25)
         state = CommHookState(None, cfg, collect_stats=False)
         ddp.register_comm_hook(state, _traced_hook(HOOKS[cfg.method]))
     opt = torch.optim.SGD(mod.parameters(), lr=0.0)
@@ -172,12 +180,18 @@ def main() -> None:
     rank = dist.get_rank()
     _wrap_collectives()
     _ours_job_tag(None)
+    from verl_comm.hooks import _core
+
+    default_lanes = _core.LANES
     methods = {n: build(n, a.dim, a.layers) for n in a.methods.split(",")}
     try:
         for r in range(a.warmup + a.rounds):
             g = torch.Generator().manual_seed(1000 * rank + r)
             x = torch.randn(64, a.dim, generator=g)
             for n, (ddp, opt, _) in methods.items():
+                from verl_comm.hooks import _core
+
+                _core.LANES = _lanes(n) or default_lanes
                 opt.zero_grad(set_to_none=True)
                 dist.barrier()
                 EVENTS.clear()
