@@ -7,6 +7,9 @@
 # The loopback device is never touched (other jobs on the machine rely on its speed).
 #
 # Usage (root, iproute2):  bash benchmarks/slow_link_hooks.sh OUTDIR [RATE_MBIT]   # 1000
+# TRACE=1 METHODS=torch_fp16,ours_int8@1,ours_int8 [TRACE_ARGS="--rounds 5"]: per-bucket timelines
+# (benchmarks/slow_link_trace.py)
+# on stdout instead of the benchmark.
 # Appends to OUTDIR/comm_hooks.jsonl (transport "shaped_veth", link_mbit) and regenerates
 # OUTDIR/comm_hooks.md. torch's powerSGD_hook can hang or mismatch collectives on gloo (it
 # chains collectives in Future.then callbacks): if the first attempt fails (a gloo error,
@@ -32,9 +35,19 @@ ip -n "$NS0" link set "$V0" up && ip -n "$NS1" link set "$V1" up || exit 1
 tc -n "$NS0" qdisc add dev "$V0" root tbf rate "${MBIT}mbit" burst 256kb latency 100ms || exit 1
 tc -n "$NS1" qdisc add dev "$V1" root tbf rate "${MBIT}mbit" burst 256kb latency 100ms || exit 1
 RUN_ID=${RUN_ID:-$($PY -c "import uuid; print(uuid.uuid4().hex[:12])")}
-METHODS=${METHODS:-compute_only,none,torch_fp16,torch_powersgd_r8,ours_int8,ours_lowrank_int8_r8,ours_auto}
+METHODS=${METHODS:-compute_only,none,torch_fp16,ours_bf16,ours_int8,ours_lowrank_int8_r8,ours_auto}
 ARGS=(--cpu --transport shaped_veth --link-mbit "$MBIT" --run-id "$RUN_ID" --layers 6 --dim 2048
-      --batch 64 --loss-scale 1024 --warmup 4 --rounds "${ROUNDS:-5}" --pg-timeout-s "${PG_TIMEOUT_S:-120}" --out "$OUT")
+      --batch 64 --loss-scale 1024 --warmup 4 --rounds "${ROUNDS:-9}" --pg-timeout-s "${PG_TIMEOUT_S:-120}" --out "$OUT")
+if [ "${TRACE:-0}" = 1 ]; then  # per-bucket timeline instead (benchmarks/slow_link_trace.py)
+  for r in 0 1; do
+    ns=$NS0 dev=$V0; [ $r = 1 ] && ns=$NS1 dev=$V1
+    ip netns exec "$ns" env RANK=$r WORLD_SIZE=2 MASTER_ADDR=10.77.0.1 MASTER_PORT=29561 \
+      GLOO_SOCKET_IFNAME="$dev" OMP_NUM_THREADS=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" \
+      timeout "${ATTEMPT_S:-900}" $PY benchmarks/slow_link_trace.py --methods "${METHODS}" ${TRACE_ARGS:-} &
+  done
+  wait
+  exit 0
+fi
 attempt() {  # $1 = methods; returns the worst rank exit code
   local pids=() rc=0
   for r in 0 1; do

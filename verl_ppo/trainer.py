@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_comm.compression.policy import describe_choices
 from verl_comm.profiler import VerlProfiler
 from verl_comm.telemetry import CommRecorder
 from verl_ppo.algorithms import make_kl_controller
@@ -324,6 +325,7 @@ class PPOTrainer:
         bar = progress_bar(total, "ppo", initial=self.step, enabled=self.rank == 0)
         out: list[dict[str, float]] = []
         saved_at = -1
+        said: dict[str, str] = {}  # role -> policy auto's choice, logged when it changes
         self.profiler.start(first_step=self.step + 1)  # numbered as in the log
         try:
             while self.step < total:
@@ -348,6 +350,11 @@ class PPOTrainer:
                 out.append(m)
                 if self.step % cfg.train.log_interval == 0 or self.step == total:
                     self.tracking.log(m, step=self.step)
+                for role, h in self.grad_comm.items():
+                    note = describe_choices(getattr(h.hook_state, "buckets", {}))
+                    if note and said.get(role) != note:
+                        said[role] = note
+                        self.log.info("policy auto (%s): %s", role, note)
                 if cfg.train.save_interval and self.step % cfg.train.save_interval == 0:
                     self.save_checkpoint()
                     saved_at = self.step

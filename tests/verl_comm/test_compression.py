@@ -467,3 +467,50 @@ def test_all_finite_flags_every_nan_and_inf(dtype):
     assert bool(all_finite(torch.zeros(0, dtype=dtype)))
     big = torch.full((64,), torch.finfo(dtype).max, dtype=dtype)  # finite, however large
     assert bool(all_finite(big))
+
+
+def test_choose_method_takes_the_chain_that_ends_first():
+    """choose_method: the fastest path on the serial timeline; the more precise one within
+    the margin; a plain all-reduce hidden in backward's shadow is kept."""
+    from verl_comm.compression.policy import LinkModel, PathCost, choose_method
+
+    plain = 100_000_000  # bytes, fp32 ring all-reduce of 2 ranks
+    opts = {
+        "bf16": PathCost(plain // 2, 1, 0.020),
+        "int8": PathCost(plain // 4, 2, 0.060),
+        "lowrank_int8": PathCost(plain // 200, 6, 0.300),
+    }
+    gbit = LinkModel(alpha_s=1e-4, beta_s_per_byte=8e-9, world_size=2)  # 1 Gbit/s: 0.8 s
+    d = choose_method(gbit, plain_bytes=plain, options=opts, shadow_s=0.0, link_free_s=0.0)
+    # ends: plain 0.8, bf16 0.42, int8 0.26, low rank 0.30 (s)
+    assert d.method == "int8" and d.compress and d.compressed_bytes == plain // 4
+    assert abs(d.link_free_s - (0.2 + 2e-4 + 0.060)) < 1e-9
+    slow = LinkModel(alpha_s=1e-4, beta_s_per_byte=40e-9, world_size=2)  # 200 Mbit/s
+    d = choose_method(slow, plain_bytes=plain, options=opts, shadow_s=0.0, link_free_s=0.0)
+    assert d.method == "lowrank_int8"  # 0.32 s against int8's 1.06 s
+    fast = LinkModel(alpha_s=1e-5, beta_s_per_byte=1e-11, world_size=2)
+    d = choose_method(fast, plain_bytes=plain, options=opts, shadow_s=0.0, link_free_s=0.0)
+    assert d.method == "allreduce" and not d.compress
+    # the plain all-reduce (0.8 s) ends 0.2 s before backward does: kept
+    d = choose_method(gbit, plain_bytes=plain, options=opts, shadow_s=1.0, link_free_s=-1.0)
+    assert d.method == "allreduce"
+    # bf16 within 5% of the plain path's time of int8's end: the more precise bf16 wins
+    close = {"bf16": PathCost(plain // 2, 1, 0.0), "int8": PathCost(plain // 4, 2, 0.18)}
+    d = choose_method(gbit, plain_bytes=plain, options=close, shadow_s=0.0, link_free_s=0.0)
+    assert d.options["bf16"] - d.options["int8"] < 0.05 * d.t_plain_s and d.method == "bf16"
+
+
+def test_describe_choices_names_each_bucket_path_and_the_link():
+    from types import SimpleNamespace
+
+    from verl_comm.compression.policy import LinkModel, PathCost, choose_method, describe_choices
+
+    link = LinkModel(alpha_s=1e-4, beta_s_per_byte=8e-9, world_size=2)  # 1000 Mbit/s
+    d = choose_method(
+        link, plain_bytes=10**8, options={"int8": PathCost(25 * 10**6, 2, 0.06)},
+        shadow_s=0.0, link_free_s=0.0,
+    )  # fmt: skip
+    assert describe_choices({0: SimpleNamespace(decision=None)}) is None
+    line = describe_choices({1: SimpleNamespace(decision=d), 0: SimpleNamespace(decision=None)})
+    assert line.startswith("bucket 1 int8 (allreduce 800, int8 260)"), line
+    assert "link 1000 Mbit/s, 100 us" in line

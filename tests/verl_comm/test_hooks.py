@@ -330,7 +330,11 @@ def test_auto_policy_uses_link_model_and_logs(slow, caplog):
     assert torch.equal(outs[0], outs[1])
     for st in states:
         d = st.buckets[0].decision
-        assert d is not None and d.compress is slow and d.compute_s > 0
+        assert (
+            d is not None and d.compress is slow and d.method == ("int8" if slow else "allreduce")
+        )
+        assert set(d.options) == {"allreduce", "bf16", "int8"}  # each path weighed
+        assert (d.compute_s > 0) is slow  # the chosen path's compute (none for plain)
         assert st.last_stats[0].method == ("int8" if slow else "allreduce")
     assert "policy auto: bucket 0" in caplog.text
     states[0].recalibrate()

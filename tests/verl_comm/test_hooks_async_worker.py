@@ -96,7 +96,7 @@ def scenario_many_steps(rank, world, tmp, method, steps=100, reducer=False):
         opt.step()
         opt.zero_grad(set_to_none=True)
     worker = state._worker
-    alive_before = worker is not None and worker._thread.is_alive()
+    alive_before = worker is not None and worker.is_alive()
     state.close()
     out = {
         "bad_caller_sums": bad,
@@ -104,7 +104,7 @@ def scenario_many_steps(rank, world, tmp, method, steps=100, reducer=False):
         "iteration": state.iteration,
         "seconds": time.perf_counter() - t0,
         "worker_used": alive_before,
-        "worker_closed": worker is None or not worker._thread.is_alive(),
+        "worker_closed": worker is None or not worker.is_alive(),
         "paths": sorted({s.method for s in state.last_stats.values()}),
     }
     if red is not None:

@@ -10,12 +10,14 @@ all-reduces of a small and a large buffer on the real group (:func:`measure_link
 ``compute_s`` is the compressor's own compute on this bucket, timed with a
 :class:`~verl_comm.compression.collective.LoopbackCollective` (real shapes, no link).
 Measurements are agreed with a MAX all-reduce, so every rank takes the same decision.
-With overlap in view (:func:`decide_overlap`, what the hooks use) each bucket's chain is
+With overlap in view (:func:`decide_overlap`) each bucket's chain is
 placed on a serial timeline that starts when its gradients are ready, ``shadow_s`` before
 the end of backward (measured on a plain step): a plain all-reduce that ends in backward's
 shadow is kept, and a bucket is compressed only where that ends the timeline earlier. On
 NVLink (``beta`` ~ 3 ps/B) compression rarely pays and the policy falls back to the plain
-all-reduce; on a 2.5 GB/s socket link it compresses.
+all-reduce; on a 2.5 GB/s socket link it compresses. The hooks ask :func:`choose_method`,
+which weighs every method no lossier than the one configured (plain, bf16, int8, low rank)
+on the same timeline and takes the one whose chain ends first (issue 28).
 """
 
 from __future__ import annotations
@@ -121,6 +123,10 @@ class PolicyDecision:
         shadow_s: backward time still to come when the bucket was ready (measured).
         link_free_s: when (relative to the end of backward, seconds) the link is predicted
             free after this bucket on the chosen path.
+        method: the path taken (``"allreduce"`` or a compressing method; ``""`` in
+            decisions of :func:`decide` / :func:`decide_overlap`: read ``compress``).
+        options: per method considered by :func:`choose_method`, its predicted end of
+            chain in seconds relative to the end of backward.
     """
 
     compress: bool
@@ -133,6 +139,13 @@ class PolicyDecision:
     beta_s_per_byte: float
     shadow_s: float = 0.0
     link_free_s: float = 0.0
+    method: str = ""
+    options: dict | None = None
+
+    @property
+    def path(self) -> str:
+        """The reduction path: ``method``, else the compressing or the plain one."""
+        return self.method or ("compressed" if self.compress else "allreduce")
 
     def to_dict(self) -> dict:
         """Plain dict (JSON-serialisable)."""
@@ -216,4 +229,90 @@ def decide_overlap(
         beta_s_per_byte=link.beta_s_per_byte,
         shadow_s=shadow_s,
         link_free_s=end_comp if compress else end_plain,
+    )
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """What one compressing method costs on one bucket (input of :func:`choose_method`).
+
+    Attributes:
+        wire_bytes: bytes one rank sends. collectives: collective calls.
+        compute_s: its compute, timed without the link (max over ranks).
+    """
+
+    wire_bytes: int
+    collectives: int
+    compute_s: float
+
+
+def choose_method(
+    link: LinkModel,
+    *,
+    plain_bytes: int,
+    options: dict[str, PathCost],
+    shadow_s: float,
+    link_free_s: float,
+    margin: float = 0.05,
+) -> PolicyDecision:
+    """The fastest path for one bucket among the plain all-reduce and ``options`` (pure).
+
+    The timeline of :func:`decide_overlap`: chains run one after the other from when the
+    bucket is ready (``shadow_s`` before the end of backward) or the link is free
+    (``link_free_s``), whichever is later; a path's chain takes
+    ``link.time_s(wire_bytes, collectives) + compute_s``. The path whose chain ends first
+    wins; a path ending within ``margin`` of the plain all-reduce's own time of the best is
+    as good, and then the more precise one wins (the plain all-reduce first, then
+    ``options`` in their order, which the caller gives from most to least precise). A
+    plain all-reduce that already ends in backward's shadow is kept.
+
+    Returns:
+        :class:`PolicyDecision` with ``method``, ``options`` (predicted ends) and
+        ``link_free_s`` for the next bucket; ``t_compressed_s``, ``compute_s`` and
+        ``compressed_bytes`` are those of the chosen path (the plain one's if plain won).
+    """
+    t_plain = link.time_s(plain_bytes, 1)
+    start = max(-shadow_s, link_free_s)
+    ends = {"allreduce": start + t_plain}
+    for name, c in options.items():
+        ends[name] = start + link.time_s(c.wire_bytes, c.collectives) + c.compute_s
+    best = min(ends.values())
+    if ends["allreduce"] <= 0.0:
+        chosen = "allreduce"
+    else:
+        chosen = next(m for m in ends if ends[m] <= best + margin * t_plain)
+    c = options.get(chosen, PathCost(plain_bytes, 1, 0.0))
+    return PolicyDecision(
+        compress=chosen != "allreduce",
+        t_plain_s=t_plain,
+        t_compressed_s=ends[chosen] - start,
+        compute_s=c.compute_s,
+        plain_bytes=plain_bytes,
+        compressed_bytes=c.wire_bytes,
+        alpha_s=link.alpha_s,
+        beta_s_per_byte=link.beta_s_per_byte,
+        shadow_s=shadow_s,
+        link_free_s=ends[chosen],
+        method=chosen,
+        options={m: round(e, 6) for m, e in ends.items()},
+    )
+
+
+def describe_choices(buckets: dict) -> str | None:
+    """One line saying what ``policy: auto`` chose per bucket and why (predicted end of each
+    path's chain, ms from the end of backward, and the link it measured); None before any
+    decision. ``buckets``: bucket index -> an object with ``decision`` (a hook state's
+    ``buckets``)."""
+    decs = {i: b.decision for i, b in sorted(buckets.items()) if b.decision is not None}
+    if not decs:
+        return None
+    parts = []
+    for i, d in decs.items():
+        ends = ", ".join(f"{m} {e * 1e3:.0f}" for m, e in (d.options or {}).items())
+        parts.append(f"bucket {i} {d.path}" + (f" ({ends})" if ends else ""))
+    d0 = next(iter(decs.values()))
+    bw = 8e-6 / d0.beta_s_per_byte if d0.beta_s_per_byte > 0 else float("inf")
+    return (
+        "; ".join(parts)
+        + f" | chain ends in ms after backward, link {bw:.0f} Mbit/s, {d0.alpha_s * 1e6:.0f} us"
     )

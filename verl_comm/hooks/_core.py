@@ -57,7 +57,13 @@ from verl_comm.compression.lowrank import (
     payload_wire_bytes,
 )
 from verl_comm.compression.lowrank import plan_lowrank as _plan_lowrank
-from verl_comm.compression.policy import LinkModel, decide_overlap, measure_link, time_call
+from verl_comm.compression.policy import (
+    LinkModel,
+    PathCost,
+    choose_method,
+    measure_link,
+    time_call,
+)
 
 from . import resume
 from .graphs import run_path
@@ -249,58 +255,76 @@ def compressed_wire(
     return plan.wire_bytes(w, b, wire), plan.collectives(wire)
 
 
+def auto_options(method: str, buf: torch.Tensor) -> tuple[str, ...]:
+    """The compressing paths ``policy: auto`` weighs for a bucket whose hook is ``method``:
+    every method no lossier than it, most precise first (bf16 only for fp32 buckets)."""
+    ladder = {"fp16": ("fp16",), "bf16": ("bf16",), "int8": ("bf16", "int8")}
+    opts = ladder.get(method, ("bf16", "int8", "lowrank_int8"))
+    return tuple(m for m in opts if m not in _CAST or buf.dtype == torch.float32)
+
+
 def policy_decision(
-    state: CommHookState, bs: BucketState, method: str, buf: torch.Tensor, index: int
+    state: CommHookState,
+    bs: BucketState,
+    method: str,
+    buf: torch.Tensor,
+    index: int,
+    coll: Collective | None = None,
 ):
-    """Measure (once per bucket) and decide whether compressing this bucket saves time."""
+    """Measure (once per bucket) and choose the fastest path for this bucket: the plain
+    all-reduce or one of :func:`auto_options` (:func:`~verl_comm.compression.policy.
+    choose_method`); ``coll``: the collective the measurements agree over (default the
+    state's)."""
     if bs.decision is not None:
         return bs.decision
-    coll = state.collective
+    coll = state.collective if coll is None else coll
     w = coll.world_size
     if state.link is None:
         big = min(max(buf.numel() * buf.element_size(), 1 << 20), 64 << 20)
         state.link = measure_link(coll, buf.device, large_bytes=big)
-    if method == "lowrank_int8":
+    names = auto_options(method, buf)
+    if "lowrank_int8" in names:
         bucket_wire(state, bs, bucket_plan(state, bs, buf.numel()), buf.device)
-    scratch = BucketState(bs.signature, bs.meta, plan=bs.plan, wire=bs.wire)
-    fn = PATHS[method]
     saved_rng = state.generator.get_state()
-    compute = time_call(lambda: fn(state, scratch, buf.clone(), LoopbackCollective(w)), buf.device)
+    compute = []
+    for m in names:
+        scratch = BucketState(bs.signature, bs.meta, plan=bs.plan, wire=bs.wire)
+
+        def run(fn=PATHS[m], scratch=scratch, loop=LoopbackCollective(w)):
+            return fn(state, scratch, buf.clone(), loop)
+
+        compute.append(time_call(run, buf.device))
     state.generator.set_state(saved_rng)
-    agreed = torch.tensor([compute, state.shadow_of(index)], dtype=torch.float64, device=buf.device)
+    agreed = torch.tensor(
+        [*compute, state.shadow_of(index)], dtype=torch.float64, device=buf.device
+    )
     coll.all_reduce_max(agreed)
-    compute_s, shadow_s = (float(v) for v in agreed.tolist())
-    wire, calls = compressed_wire(state, bs, method, buf, w)
+    *compute_s, shadow_s = (float(v) for v in agreed.tolist())
+    options = {}
+    for m, c in zip(names, compute_s):
+        wire, calls = compressed_wire(state, bs, m, buf, w)
+        options[m] = PathCost(wire, calls, c)
     if index == 0:
         state._link_free_s = float("-inf")
-    bs.decision = decide_overlap(
+    d = bs.decision = choose_method(
         state.link,
         plain_bytes=ring_allreduce_wire_bytes(buf.numel(), w, buf.element_size()),
-        compressed_bytes=wire,
-        compressed_collectives=calls,
-        compute_s=compute_s,
+        options=options,
         shadow_s=shadow_s,
         link_free_s=state._link_free_s,
     )
-    d = bs.decision
     state._link_free_s = d.link_free_s
     logger.info(
-        "policy auto: bucket %d (%d x %s, W=%d): %s; plain %.3f ms (%d B), %s %.3f ms "
-        "(%d B + %.3f ms compute), shadow %.3f ms, link free at %+.3f ms, link alpha %.1f "
-        "us, %.2f GB/s",
+        "policy auto: bucket %d (%d x %s, W=%d): %s; chain ends (ms from end of backward) "
+        "%s; compute ms %s; shadow %.3f ms; link alpha %.1f us, %.3f GB/s",
         index,
         buf.numel(),
         buf.dtype,
         w,
-        "compress" if d.compress else "plain all-reduce",
-        d.t_plain_s * 1e3,
-        d.plain_bytes,
-        method,
-        d.t_compressed_s * 1e3,
-        d.compressed_bytes,
-        d.compute_s * 1e3,
+        d.method,
+        {m: round(e * 1e3, 1) for m, e in (d.options or {}).items()},
+        {m: round(c.compute_s * 1e3, 1) for m, c in options.items()},
         d.shadow_s * 1e3,
-        d.link_free_s * 1e3,
         d.alpha_s * 1e6,
         state.link.busbw_GBps,
     )
@@ -346,6 +370,55 @@ def _uses_worker(state: CommHookState, dev: torch.device) -> bool:
     return dev.type != "cuda" and coll.world_size > 1
 
 
+LANES = 2
+"""Worker lanes on gloo: as many collectives in flight as gloo's default of two threads per
+process group lets torch's async hooks have (``benchmarks/slow_link_trace.py`` shows why)."""
+
+
+def _bucket_keys(state: CommHookState, buf: torch.Tensor, shapes: tuple, method: str):
+    """``(signature, meta)`` of a bucket: its layout, and the method and settings its state
+    was built for (a change of either resets the bucket's state)."""
+    cfg = state.config
+    signature = (buf.numel(), str(buf.dtype), shapes)
+    meta = (method, cfg.compression_rank or 0, cfg.quant_block, cfg.residual_dtype)
+    return signature, (*meta, cfg.error_feedback)
+
+
+def _lane_of(
+    state: CommHookState, worker: Any, method: str, index: int, buf: torch.Tensor, shapes: tuple
+) -> int:
+    """The worker lane of bucket ``index``: ``index % LANES`` for chains that touch no state
+    shared between buckets (plain, fp16, bf16, int8 with its per-bucket residual, and under
+    ``policy: auto`` a bucket whose path an earlier step chose, unless low rank) over WORLD;
+    0 for low rank (the state's generator draws warm-start factors, the link model is
+    measured once), for ``auto`` buckets still to decide (decisions are made in bucket
+    order on one timeline) and for a state on a subgroup. Whether a bucket is decided is
+    the same on every rank: only its own job decides it, and the previous step drained.
+    Opening the lanes makes a process group over WORLD: every rank does it at the same
+    hook call."""
+    auto = method in COMPRESSING and state.config.policy == "auto"
+    if auto:
+        bs = state.buckets.get(index)
+        signature, meta = _bucket_keys(state, buf, shapes, method)
+        d = None if bs is None or (bs.signature, bs.meta) != (signature, meta) else bs.decision
+        chosen = None if d is None else d.method or (method if d.compress else "allreduce")
+        if chosen is None or chosen == "lowrank_int8":
+            return 0
+    elif method == "lowrank_int8":
+        return 0
+    if worker.lanes < LANES:
+        group = getattr(state.collective, "group", None)
+        if group is not None and group != dist.group.WORLD:
+            return 0  # a new group would need every rank of WORLD to make it with us
+
+        def make() -> Collective:
+            # every rank makes it (WORLD), in the same order: a numbered group name
+            return ProcessGroupCollective(dist.new_group(backend=dist.get_backend()))
+
+        worker.open_lanes(LANES, make)
+    return index % LANES
+
+
 def _side(state: CommHookState, dev: torch.device) -> Any:
     stream = state._streams.get(dev)
     if stream is None:
@@ -384,6 +457,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
             torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
         )
         worker = state.worker()
+        lane = _lane_of(state, worker, method, index, buf, shapes)
         it = state._submitted_iter
         submitted = time.perf_counter()
         ready = None
@@ -391,13 +465,18 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(dev))
 
-        def job() -> torch.Tensor:
+        def job(coll: Collective | None) -> torch.Tensor:
             if ready is not None:
                 stream = _side(state, dev)
                 torch.cuda.set_device(dev)
                 torch.cuda.set_stream(stream)  # the worker thread's own current stream
                 stream.wait_event(ready)
-            _reduce_bucket(state, buf, index, shapes, keep, method, is_last, submitted, pids)
+            _reduce_bucket(
+                state, buf, index, shapes, keep, method, False, submitted, pids, lane_coll=coll
+            )
+            if is_last:  # the step's statistics need every bucket of it
+                worker.wait_earlier(state.timeout_s)
+                state.end_step()
             return buf  # set_result records the Future's event on the side stream
 
         def fatal(e: BaseException) -> bool:
@@ -405,7 +484,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
 
             return not isinstance(e, NonFiniteGradientError)
 
-        worker.submit(job, fut, f"bucket {index} ({method}) at iteration {it}", fatal)
+        worker.submit(job, fut, f"bucket {index} ({method}) at iteration {it}", fatal, lane)
         # A Python Future's set_exception stores the error as its value, which DDP's C++
         # reducer would then try to cast to a Tensor; unwrapping it in a callback (no
         # collective there) turns it into a real error of the returned Future.
@@ -432,15 +511,15 @@ def _reduce_bucket(
     is_last: bool,
     submitted_s: float | None = None,
     pids: tuple[int, ...] | None = None,
+    lane_coll: Collective | None = None,
 ) -> None:
     """The whole chain of one bucket (on the side stream, the worker, or inline);
-    ``submitted_s``: ``perf_counter`` when the hook handed it to the worker."""
+    ``submitted_s``: ``perf_counter`` when the hook handed it to the worker; ``lane_coll``:
+    the worker lane's own collective (None: the state's)."""
     cfg = state.config
-    coll = state.collective
+    coll = state.collective if lane_coll is None else lane_coll
     dev = buf.device
-    signature = (buf.numel(), str(buf.dtype), shapes)
-    meta = (method, cfg.compression_rank or 0, cfg.quant_block, cfg.residual_dtype)
-    meta = (*meta, cfg.error_feedback)
+    signature, meta = _bucket_keys(state, buf, shapes, method)
     warm = state.iteration < cfg.start_iter  # DDP may still rebuild its buckets
     if state.resuming(index, signature, meta):  # loaded state, DDP not rebuilt yet
         bs, warm = BucketState(signature, meta), True
@@ -454,8 +533,8 @@ def _reduce_bucket(
     if (auto or method in ("int8", "lowrank_int8")) and warm:
         path = "allreduce"
     elif auto and buf.numel():
-        if not policy_decision(state, bs, method, buf, index).compress:
-            path = "allreduce"
+        d = policy_decision(state, bs, method, buf, index, coll)
+        path = d.method or (method if d.compress else "allreduce")
     cuda = dev.type == "cuda"
     start_s = time.perf_counter()
     ev0 = ev1 = None
