@@ -224,6 +224,8 @@ class HybridEngine:
         m["reshard/wire_and_copy_s"] = s.time_s
         m["reshard/bytes_per_rank"] = float(s.bytes_received)
         m["reshard/bytes_sent_per_rank"] = float(s.bytes_sent)
+        if s.counted_received is not None:  # the engine counts at its transport calls
+            m["reshard/bytes_counted_per_rank"] = float(s.counted_received)
         m["reshard/lower_bound_bytes"] = float(s.lower_bound_bytes)
         m["reshard/bytes_over_lower_bound"] = (
             s.bytes_received / s.lower_bound_bytes
