@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _ppo_env import _commit, _device, _versions
+from _ppo_env import _commit, _device, _dirty, _versions
 from _ppo_workload import Setup
 
 BENCH = "ppo_throughput"
@@ -33,6 +33,7 @@ def summarize(
         "versions": _versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
+        "dirty": _dirty(),
         "world_size": world,
         "shape": s.shape if s.layers is None else f"{s.shape}, {s.layers} layers",
         "prompt_len": s.prompt_len,
@@ -161,7 +162,8 @@ def _fmt(rec: dict[str, Any] | None, spec: str) -> str:
 def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
     """Write ``out/ppo_throughput.md`` from the JSON lines of one run (``run_id``; default:
     that of the last record) and append a ``speedup_vs_trl`` record (ours with default
-    settings over TRL) when both were measured; returns that record or None.
+    settings over TRL) when both were measured and the run holds no record of that ratio yet
+    (writing the report again adds nothing); returns that record or None.
 
     Tables: every system and variant next to TRL and the floor of the model shape; then,
     for ours, MFU, TFLOP/s and peak memory per phase; then the targets as measured."""
@@ -267,7 +269,8 @@ def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
         ratio = o["value"] / trl["value"]
         speed = {
             **{
-                k: o.get(k) for k in ("benchmark", "device", "versions", "date", "commit", "run_id")
+                k: o.get(k)
+                for k in ("benchmark", "device", "versions", "date", "commit", "dirty", "run_id")
             },
             "system": "verl_ppo",
             "variant": "default",
@@ -279,7 +282,10 @@ def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
             "met": ratio >= TARGET_SPEEDUP,
             "trl_stand_ins": trl.get("trl_stand_ins"),
         }
-        append_records(out, [speed])
+        # The report is rewritten whenever a system of the run is added: append the ratio
+        # only when it is new for this run (bit-equal: the same division of the same records)
+        if not any(r["metric"] == "speedup_vs_trl" and r.get("value") == ratio for r in recs):
+            append_records(out, [speed])
         lines += ["", "Targets (issue 15), as measured:", ""]
         lines.append(
             f"- ours with default settings >= {TARGET_SPEEDUP} x TRL tokens/s/GPU: "
@@ -315,4 +321,5 @@ def _skip_record(system: str, reason: str, run_id: str | None) -> dict[str, Any]
         "versions": _versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
+        "dirty": _dirty(),
     }

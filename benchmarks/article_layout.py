@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import torch
 
+    from verl_comm.bench.env import dirty
+
     pp, dp, tp = 2, a.world // 2, 4
     meta = {
         "benchmark": "article_layout",
@@ -262,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
+        "dirty": dirty(REPO),
         "run_id": uuid.uuid4().hex[:12],
         "world_size": a.world,
         "train_engine": "deepspeed_pipeline",

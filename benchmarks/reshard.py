@@ -54,6 +54,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing (GPU mac
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from verl_comm.bench.env import dirty  # noqa: E402
 from verl_comm.distributed import DistContext  # noqa: E402
 from verl_comm.distributed.launch import spawn  # noqa: E402
 from verl_ppo.reshard.engine import ReshardEngine  # noqa: E402
@@ -425,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": _versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(a.commit),
+        "dirty": dirty(REPO),
     }
     write_results(recs, Path(a.out), meta, a.stem, a.append)
     print((Path(a.out) / f"{a.stem}.md").read_text())
