@@ -181,7 +181,8 @@ def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
                 "summary_line": res["summary_line"],
                 "started": res.get("started"),
                 "commit": res.get("commit", meta["commit"]),
-                "dirty": res.get("dirty", meta.get("dirty")),
+                # a seed run before "dirty" was recorded: unknown, not the collecting tree's
+                "dirty": res.get("dirty") if "commit" in res else meta.get("dirty"),
                 "overlapping_seeds": overlapping(seed),
             }
         )
