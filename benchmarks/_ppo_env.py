@@ -56,6 +56,13 @@ def _device(world: int) -> str:
     return f"cpu ({world} process{'es' if world > 1 else ''})"
 
 
+def _dirty() -> bool | None:
+    """Whether the run is made from uncommitted changes (``verl_comm.bench.env.dirty``)."""
+    from verl_comm.bench.env import dirty
+
+    return dirty(REPO)
+
+
 def _commit() -> str:
     if os.environ.get("VERL_COMMIT"):
         return os.environ["VERL_COMMIT"]

@@ -68,15 +68,17 @@ def run_trl(s: Setup, out_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = s.rollout_batch // world
-    if local * world != s.rollout_batch or local % s.micro_batch:
+    micro = s.trl_micro_batch or s.micro_batch
+    if local * world != s.rollout_batch or local % micro:
         raise ValueError(
             f"--rollout-batch {s.rollout_batch} must split into {world} ranks x a multiple of "
-            f"--micro-batch {s.micro_batch}"
+            f"TRL's micro-batch {micro} (--trl-micro-batch, else --micro-batch)"
         )
     args = PPOConfig(
         output_dir=out_dir,
-        per_device_train_batch_size=s.micro_batch,
-        gradient_accumulation_steps=local // s.micro_batch,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=local // micro,
+        torch_compile=s.trl_compile,
         num_mini_batches=1,
         num_ppo_epochs=1,
         total_episodes=s.rollout_batch * (s.warmup + s.steps),

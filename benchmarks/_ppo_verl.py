@@ -142,6 +142,7 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
             )
         trainer.profiler.stop()
         out[0]["fast_path"] = dict(trainer.job.reasons)
+        out[0]["token_budget"] = trainer.job.max_tokens_per_micro_batch  # None: fixed
         out[0]["numerics"] = numerics
     trainer.close()
     return out

@@ -61,14 +61,18 @@ class Setup:
     run_id: str | None = None  # shared by every record of one device call
     variant: str | None = None  # name of the overrides (None: "default" or the overrides)
     torch_profile: str | None = None  # folder for the last timed step's kernel table
+    trl_micro_batch: int | None = None  # TRL's per_device_train_batch_size (None: micro_batch)
+    trl_compile: bool = False  # TRL's own TrainingArguments.torch_compile
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> Setup:
         """From parsed options (:func:`add_workload_args` plus ``warmup``, ``steps``)."""
         names = ("shape", "layers", "prompt_len", "response_len", "rollout_batch")
         names += ("micro_batch", "warmup", "steps", "model_dir", "run_id", "variant")
-        names += ("torch_profile",)
-        return cls(**{n: getattr(a, n, None) for n in names})
+        names += ("torch_profile", "trl_micro_batch", "trl_compile")
+        kw = {n: getattr(a, n, None) for n in names}
+        kw["trl_compile"] = bool(kw["trl_compile"])
+        return cls(**kw)
 
     def model_fields(self) -> dict[str, Any]:
         """HF config fields of the model (``model_type`` included)."""

@@ -44,6 +44,12 @@ def _commit() -> str:
     return commit()
 
 
+def _dirty() -> bool | None:
+    from verl_comm.bench.env import dirty
+
+    return dirty(REPO)
+
+
 def start_seed(config: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
     """Start the job for one seed (output to ``run_dir/job.log``); returns its handle."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -61,6 +67,7 @@ def start_seed(config: str, seed: int, run_dir: Path, extra: list[str]) -> dict:
         "load_1m_start": os.getloadavg()[0],
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": _commit(),
+        "dirty": _dirty(),
     }
 
 
@@ -88,6 +95,7 @@ def finish_seed(h: dict) -> dict:
         "concurrent_runs": h.get("concurrent_runs", 1),
         "started": h["started"],
         "commit": h["commit"],
+        "dirty": h["dirty"],
     }
     (h["run_dir"] / RESULT).write_text(json.dumps(res))
     return load_seed(h["run_dir"])
@@ -173,6 +181,8 @@ def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
                 "summary_line": res["summary_line"],
                 "started": res.get("started"),
                 "commit": res.get("commit", meta["commit"]),
+                # a seed run before "dirty" was recorded: unknown, not the collecting tree's
+                "dirty": res.get("dirty") if "commit" in res else meta.get("dirty"),
                 "overlapping_seeds": overlapping(seed),
             }
         )
@@ -294,7 +304,7 @@ def write(recs: list[dict], out: Path, stem: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI; returns 0 when the target is met, 1 when missed (records written either way)."""
-    from verl_comm.bench.env import commit, now_iso, versions
+    from verl_comm.bench.env import commit, dirty, now_iso, versions
     from verl_ppo.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -330,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "date": now_iso(),
         "commit": commit(),
+        "dirty": dirty(REPO),
         "run_id": uuid.uuid4().hex[:12],
         "overrides": extra,
     }

@@ -31,6 +31,13 @@ from pathlib import Path
 BENCH = "default_job_ab"
 
 
+def dirty(repo: Path) -> bool | None:
+    """Uncommitted changes in ``repo`` (``verl_comm.bench.env.dirty``)."""
+    from verl_comm.bench.env import dirty as tree_dirty
+
+    return tree_dirty(repo)
+
+
 def _commit(repo: Path) -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True)
     return r.stdout.decode().strip() or "unknown"
@@ -92,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 "versions": {"python": sys.version.split()[0]},
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "commit": _commit(repo),
+                "dirty": dirty(repo),
                 "run_id": run_id,
             }
             with open(a.out / f"{BENCH}.jsonl", "a") as f:

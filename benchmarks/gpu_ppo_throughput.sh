@@ -12,6 +12,10 @@
 #   1. verl_ppo, default settings: 3 warm-up + 3 timed steps (numerics checked first; the
 #      warm-up holds torch.compile's compilations: on one H200 the last ones ran in step 3)
 #   2. trl_ppo (trl 1.12.0, the last release with trl.experimental.ppo): same (SKIP_TRL=1: not)
+#   2b. TRL_TUNED=1: TRL "tuned" (variant tuned): its largest micro-batch that fits, tried from
+#      TRL_TUNED_MBS (default "128 64 32 16", per GPU; a size that fails, e.g. out of memory,
+#      is followed by the next), with its own torch_compile (TRL_TUNED_COMPILE=0: without);
+#      the report's speedup record is then against it (trl_variant: tuned)
 #   3. optional: named verl_ppo variants, VARIANTS="name:key=value[,key=value] ..." (each a run)
 #   4. the markdown report and the speedup record (target: ours >= 3 x TRL)
 # TORCH_PROFILE=1: ours also writes OUTDIR/kernels_<variant>.txt (torch.profiler table of the
@@ -28,6 +32,12 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export VERL_COMMIT=${VERL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# Uncommitted changes (benchmarks/results/ aside) -> "dirty": true in the records. A copy of the
+# tree without .git cannot tell: check where the copy is made and pass VERL_DIRTY=0/1 along.
+if [ -z "${VERL_DIRTY:-}" ] && git rev-parse --git-dir >/dev/null 2>&1; then
+  VERL_DIRTY=$(git status --porcelain | grep -v ' benchmarks/results/' | grep -q . && echo 1 || echo 0)
+  export VERL_DIRTY
+fi
 PY=${PYTHON:-python3}
 TOK=${TOK_DIR:-.whl/tok}
 STEPS=${STEPS:-3}
@@ -91,10 +101,22 @@ bench() {  # bench LABEL TIMEOUT_S ARGS...
   local rc=${PIPESTATUS[0]}
   say "########## $label: exit $rc after $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || FAILED=1
+  return "$rc"
 }
 
 bench "1 verl_ppo default" "${LIMIT:-240}" --system verl_ppo
 [ "${SKIP_TRL:-0}" = 1 ] || bench "2 trl_ppo" "${LIMIT:-240}" --system trl_ppo
+if [ "${TRL_TUNED:-0}" = 1 ]; then
+  before=$FAILED found=0
+  for mb in ${TRL_TUNED_MBS:-128 64 32 16}; do
+    compile=()
+    [ "${TRL_TUNED_COMPILE:-1}" = 1 ] && compile=(--trl-compile)
+    if bench "2b trl_ppo tuned, micro-batch $mb" "${LIMIT:-240}" --system trl_ppo --variant tuned \
+      --trl-micro-batch "$mb" "${compile[@]}"; then found=1; break; fi
+  done
+  FAILED=$before  # the sizes that did not fit are the search, not failures
+  [ "$found" = 1 ] || { say "# ERROR: no TRL micro-batch of ${TRL_TUNED_MBS:-128 64 32 16} ran"; FAILED=1; }
+fi
 for v in ${VARIANTS:-}; do
   name=${v%%:*}
   sets=()

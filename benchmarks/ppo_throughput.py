@@ -52,7 +52,11 @@ Usage::
         --model-dir .whl/tok --out OUT
     torchrun --nproc_per_node=2 benchmarks/ppo_throughput.py --system trl_ppo \
         --model-dir .whl/tok --out OUT
+    torchrun --nproc_per_node=2 benchmarks/ppo_throughput.py --system trl_ppo \
+        --variant tuned --trl-micro-batch 32 --trl-compile --model-dir .whl/tok --out OUT
     python benchmarks/ppo_throughput.py --report --out OUT           # markdown + speedup
+    (against TRL "tuned" when the run has it, else TRL as configured by default; records
+    state each system's effective micro-batch, its tokens and ours' token budget)
     (benchmarks/gpu_ppo_throughput.sh OUTDIR does all of that on 2 x H200)
 """
 
@@ -125,6 +129,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         help="id shared by every record of one device call (default: $VERL_RUN_ID, else new)",
     )  # fmt: skip
     p.add_argument("--variant", default=None, help="name of this run's --set overrides")
+    p.add_argument(
+        "--trl-micro-batch", type=int, default=None,
+        help="TRL: per_device_train_batch_size (default --micro-batch); the tuned baseline "
+        "uses the largest that fits (--variant tuned)",
+    )  # fmt: skip
+    p.add_argument("--trl-compile", action="store_true", help="TRL: torch_compile=True")
     p.add_argument(
         "--torch-profile", default=None, metavar="DIR",
         help="ours: profile the last timed step with torch.profiler; rank 0 writes "

@@ -15,9 +15,12 @@ flat partitions, as :mod:`verl_ppo.reshard.specs` defines them).
 Protocol: numerics first (each method's rollout shards must equal slicing the full
 model bit for bit on every rank, else exit 1); then ``--warmup`` rounds and ``--rounds``
 rounds with the methods interleaved; per call a barrier, CUDA events (perf_counter on
-CPU), the max across ranks per round, the median over rounds. Bytes per rank: payload
-received from other ranks (max over ranks), counted from the actual split sizes; lower
-bound: rollout bytes a rank does not already hold. Peak extra bytes: on GPU
+CPU), the max across ranks per round, the median over rounds (min and max beside it).
+Bytes per rank: payload received from other ranks (max over ranks) as planned (the plan's
+transfer sizes) and as counted at the transport calls (``bytes_counted_per_rank``:
+:class:`verl_ppo.reshard.wire.WireCounter`, per peer, every sender's count compared with
+its receiver's); lower bound: rollout bytes a rank does not already hold. Exit 1 unless
+counted == planned == lower bound for the engine methods. Peak extra bytes: on GPU
 ``max_memory_allocated`` above the level before the call (includes the rollout shard);
 on CPU the executor's own accounting (buffers + rollout shard).
 
@@ -51,6 +54,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing (GPU mac
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from verl_comm.bench.env import dirty  # noqa: E402
 from verl_comm.distributed import DistContext  # noqa: E402
 from verl_comm.distributed.launch import spawn  # noqa: E402
 from verl_ppo.reshard.engine import ReshardEngine  # noqa: E402
@@ -60,6 +64,7 @@ from verl_ppo.reshard.testing import (  # noqa: E402
     expected_rollout,
     random_full_state,
 )
+from verl_ppo.reshard.wire import pairwise_mismatches  # noqa: E402
 
 BENCH = "reshard"
 METHODS = ("engine", "engine_p2p", "naive_allgather")
@@ -190,8 +195,22 @@ def bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
                 stats[m] = eng.last_stats
         for m in METHODS:
             s = stats[m]
+            counted = s.counted_received is not None  # the engine counts at its calls
+            pairwise = (
+                pairwise_mismatches(
+                    s.counted_sent_per_peer, s.counted_received_per_peer, device=device
+                )
+                if counted
+                else None
+            )
             vals = torch.tensor(
-                [s.bytes_received, s.lower_bound_bytes, peaks[m], s.bytes_sent],
+                [
+                    s.bytes_received,
+                    s.lower_bound_bytes,
+                    peaks[m],
+                    s.bytes_sent,
+                    s.counted_received if counted else -1,
+                ],
                 dtype=torch.float64,
                 device=device,
             )
@@ -210,10 +229,14 @@ def bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
                     "rollout_rank_order": list(engines[m].plan.rollout.rank_order or range(world)),
                     "time_s": statistics.median(times[m]),
                     "time_min_s": min(times[m]),
+                    "time_max_s": max(times[m]),
+                    "repeats": len(times[m]),
                     "bytes_per_rank": int(vals[0].item()),
                     "lower_bound_bytes": int(vals[1].item()),
                     "peak_extra_bytes": int(vals[2].item()),
                     "bytes_sent_per_rank": int(vals[3].item()),
+                    "bytes_counted_per_rank": int(vals[4].item()) if counted else None,
+                    "counts_pairwise_mismatches": pairwise,
                     "model_bytes": model_bytes,
                     "buckets": s.buckets,
                     **split,
@@ -269,14 +292,17 @@ def write_results(
                 **r,
             }
             f.write(json.dumps(rec) + "\n")
+            if r.get("bytes_counted_per_rank") is not None:
+                f.write(json.dumps({**rec, **_counted_record(r)}) + "\n")
     by = {(r["train_layout"], r["rollout_layout"], r["method"]): r for r in recs}
     lines = [
         f"# reshard ({meta['device']}, {meta['model']}, {meta['dtype']}, world {meta['world_size']}, "
         f"bucket {meta['bucket_mb']} MiB, {meta['date']}, commit {meta['commit']})",
         "",
-        "| train -> rollout | method | time (ms) | pack / wire / unpack (ms) | MB/rank received "
-        "| lower bound MB | model MB | peak extra MB | time vs naive |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| train -> rollout | method | time (ms), median [min-max] | pack / wire / unpack (ms) "
+        "| MB/rank planned | MB/rank counted | lower bound MB | model MB | peak extra MB "
+        "| time vs naive |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def split(r: dict) -> str:
@@ -288,13 +314,18 @@ def write_results(
         naive = by[(r["train_layout"], r["rollout_layout"], "naive_allgather")]["time_s"]
         ratio = r["time_s"] / naive if naive > 0 else float("nan")
         lines.append(
-            f"| {r['train_layout']} -> {r['rollout_layout']} | {r['method']} | {r['time_s'] * 1e3:.2f} | "
-            f"{split(r)} | {r['bytes_per_rank'] / 1e6:.2f} | {r['lower_bound_bytes'] / 1e6:.2f} | "
+            f"| {r['train_layout']} -> {r['rollout_layout']} | {r['method']} | {_spread(r)} | "
+            f"{split(r)} | {r['bytes_per_rank'] / 1e6:.2f} | {_mb(r.get('bytes_counted_per_rank'))} | "
+            f"{r['lower_bound_bytes'] / 1e6:.2f} | "
             f"{r['model_bytes'] / 1e6:.1f} | {r['peak_extra_bytes'] / 1e6:.1f} | {ratio:.2f} |"
         )
     lines += [
         "",
-        "Targets: engine bytes_per_rank == lower_bound_bytes for every pair; engine time <= 0.4 x "
+        f"Each time: {meta['rounds']} rounds, methods interleaved within a round, slowest rank "
+        "per round. MB/rank counted: bytes handed to the backend per peer "
+        "(verl_ppo/reshard/wire.py), each send matched with its receive; '-' for the naive "
+        "method (not counted).",
+        "Targets: engine bytes counted == planned == lower_bound_bytes for every pair; engine time <= 0.4 x "
         "naive where the lower bound is below half the model, never slower otherwise.",
         "pack / wire / unpack: ReshardStats of the engine (median over rounds, slowest rank): "
         "copies into the send buffers, time with a bucket on the wire (overlapping buckets "
@@ -307,14 +338,45 @@ def write_results(
     md.write_text(text)
 
 
+def _mb(b: int | None) -> str:
+    return "-" if b is None else f"{b / 1e6:.2f}"
+
+
+def _spread(r: dict) -> str:
+    """``median [min-max]`` in ms (records before the spread was kept: the median only)."""
+    if "time_max_s" not in r:
+        return f"{r['time_s'] * 1e3:.2f}"
+    return f"{r['time_s'] * 1e3:.2f} [{r['time_min_s'] * 1e3:.2f}-{r['time_max_s'] * 1e3:.2f}]"
+
+
+def _counted_record(r: dict) -> dict:
+    """The fields of the ``bytes_counted_per_rank`` record that sits beside a time record."""
+    return {
+        "metric": "bytes_counted_per_rank",
+        "value": r["bytes_counted_per_rank"],
+        "unit": "B",
+        "bytes_planned_per_rank": r["bytes_per_rank"],
+    }
+
+
 def check_targets(recs: list[dict]) -> list[str]:
-    """Violations of the byte target (a hard failure: it means a planner/executor bug)."""
+    """Violations of the byte target (a hard failure: a planner, executor or transport bug):
+    for the engine methods, bytes counted at the transport calls == planned == lower bound,
+    and every rank's sent count equals its peer's received count."""
     bad = []
     for r in recs:
-        if r["method"].startswith("engine") and r["bytes_per_rank"] != r["lower_bound_bytes"]:
-            bad.append(
-                f"{r['train_layout']}->{r['rollout_layout']}: {r['bytes_per_rank']} != {r['lower_bound_bytes']}"
-            )
+        if not r["method"].startswith("engine"):
+            continue
+        pair = f"{r['train_layout']}->{r['rollout_layout']} {r['method']}"
+        counted, planned, lower = (
+            r.get("bytes_counted_per_rank"),
+            r["bytes_per_rank"],
+            r["lower_bound_bytes"],
+        )
+        if not counted == planned == lower:
+            bad.append(f"{pair}: counted {counted} / planned {planned} / lower bound {lower} B")
+        if r.get("counts_pairwise_mismatches"):
+            bad.append(f"{pair}: {r['counts_pairwise_mismatches']}")
     return bad
 
 
@@ -342,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device,
         "model": a.model or ("small" if a.smoke or device == "cpu" else "qwen2.5-0.5b"),
         "bucket_mb": a.bucket_mb or (1 if device == "cpu" else 64),
-        "rounds": a.rounds or (2 if a.smoke else 10),
+        "rounds": a.rounds or (5 if a.smoke else 10),
         "warmup": a.warmup if a.warmup is not None else (1 if a.smoke else 3),
     }
     t0 = time.time()
@@ -365,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": _versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(a.commit),
+        "dirty": dirty(REPO),
     }
     write_results(recs, Path(a.out), meta, a.stem, a.append)
     print((Path(a.out) / f"{a.stem}.md").read_text())

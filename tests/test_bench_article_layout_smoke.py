@@ -14,7 +14,12 @@ def test_article_layout_smoke(tmp_path):
     assert len({x["run_id"] for x in recs}) == 1
     eng = {x["metric"]: x["value"] for x in recs if x["method"] == "engine"}
     naive = {x["metric"]: x["value"] for x in recs if x["method"] == "naive_allgather"}
-    assert eng["bytes_per_rank"] == eng["lower_bound_bytes"] > 0
+    # counted at the transport calls == planned == lower bound (means over ranks of integers)
+    assert eng["bytes_counted_per_rank"] == eng["bytes_per_rank"] == eng["lower_bound_bytes"] > 0
+    assert "bytes_counted_per_rank" not in naive  # the naive all-gather is not counted
+    step = next(x for x in recs if x["method"] == "engine" and x["metric"] == "step_time")
+    assert step["repeats"] == 1 and step["min"] <= step["value"] <= step["max"]
+    assert step["phases_s"] and all(v >= 0 for v in step["phases_s"].values())
     assert eng["bytes_over_lower_bound"] == 1.0
     assert naive["bytes_per_rank"] > eng["bytes_per_rank"]
     assert 0 < eng["peak_param_bytes_per_rank"] < eng["full_param_bytes"]

@@ -121,3 +121,34 @@ def test_report_speedup_against_target(tmp_path, ours, met):
     assert last["metric"] == "speedup_vs_trl" and last["target"] == 3.0
     md = (tmp_path / "ppo_throughput.md").read_text()
     assert ("-> met" in md) is met and "gen 0.5" in md and "stand-ins for pandas" in md
+    # writing the report again (e.g. after another system of the run) adds no duplicate
+    bench.write_report(tmp_path)
+    lines = (tmp_path / "ppo_throughput.jsonl").read_text().splitlines()
+    assert sum(json.loads(x)["metric"] == "speedup_vs_trl" for x in lines) == 1
+
+
+def test_report_claims_against_tuned_trl_and_states_micro_batches(tmp_path):
+    tuned = {**_rec("trl_ppo", "tokens_per_s_per_gpu", 2000.0), "variant": "tuned"}
+    tuned.update(effective_micro_batch=32, micro_batch_tokens=32 * 512, token_budget=None)
+    ours = _rec("verl_ppo", "tokens_per_s_per_gpu", 6000.0)
+    ours.update(effective_micro_batch=99, micro_batch_tokens=50688, token_budget=50688)
+    steps = [_rec(x, "step_time_s", 1.0) for x in ("verl_ppo", "trl_ppo")]
+    steps.append({**_rec("trl_ppo", "step_time_s", 1.0), "variant": "tuned"})
+    recs = [ours, _rec("trl_ppo", "tokens_per_s_per_gpu", 1000.0), tuned, *steps]
+    bench.append_records(tmp_path, recs)
+    speed = bench.write_report(tmp_path)
+    assert speed["trl_variant"] == "tuned" and speed["value"] == pytest.approx(3.0)
+    md = (tmp_path / "ppo_throughput.md").read_text()
+    assert "| 99 / 50688 (token budget) |" in md and "| 32 / 16384 |" in md
+    assert "TRL (tuned)" in md
+
+
+def test_micro_batch_fields_as_run():
+    from _ppo_records import _micro_batch_fields
+
+    s = bench.Setup(prompt_len=256, response_len=256, micro_batch=8, trl_micro_batch=32)
+    trl = _micro_batch_fields("trl_ppo", s, None)
+    assert trl["effective_micro_batch"] == 32 and trl["micro_batch_tokens"] == 32 * 512
+    ours = _micro_batch_fields("verl_ppo", s, 50688)  # the auto token budget of issue 30
+    assert ours["effective_micro_batch"] == 99 and ours["token_budget"] == 50688
+    assert _micro_batch_fields("verl_ppo", s, None)["effective_micro_batch"] == 8

@@ -67,8 +67,12 @@ class DataConfig(_Strict):
         "basic_arithmetic", description="basic_arithmetic|chain_sum|countdown|gsm_symbolic"
     )
     task_kwargs: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym overrides")
-    train_size: int = Field(10_000, gt=0, description="distinct training prompts (cycled)")
-    eval_size: int = Field(32, ge=0, description="held-out prompts scored greedily; 0 = no eval")
+    train_size: int = Field(
+        10_000, gt=0, description="train generator draws (held-out questions skipped; cycled)"
+    )
+    eval_size: int = Field(
+        32, ge=0, description="distinct held-out prompts scored greedily; 0 = no eval"
+    )
     max_prompt_len: int = Field(160, gt=0, description="prompts longer than this (tokens) fail")
     pad_prompt_to: int | None = Field(
         None, gt=0, description="left-pad every prompt batch to this many tokens (benchmarks)"

@@ -2,8 +2,11 @@
 
 FLOPs follow verl's ``FlopsCounter`` (``verl/utils/flops_counter.py``, ``_estimate_qwen2_flops``):
 ``2 x`` the matmul parameters per token for a forward, ``3 x`` that for forward + backward,
-and attention ``4 x sum(seq_len^2) x head_dim x heads x layers`` per forward (causality not
-discounted, as verl). Unlike verl the embedding lookup is not counted as a matmul, and
+and attention per forward ``4 x head_dim x heads x layers`` per (query, key) pair a causal
+mask lets through: ``sum(L (L + 1) / 2)`` pairs over sequences of ``L`` tokens (``Q K^T``
+and ``P V`` each ``2 x head_dim`` per pair and head). verl counts every pair
+(``4 x sum(L^2) x ...``, nearly twice the causal count); the masked half is not work a
+causal kernel does. Unlike verl the embedding lookup is not counted as a matmul, and
 the LM head is counted only on the positions whose logits are computed (the response
 positions with :mod:`verl_ppo.roles.fused_head`; every position on the plain path). MFU =
 achieved FLOP/s over the device's dense bf16 peak (``perf/mfu/<phase>``, verl's
@@ -59,12 +62,13 @@ class ModelFlops:
         return cls(d, d.num_layers * (attn + mlp), d.vocab * d.hidden)
 
     def forward(self, seq_lens: torch.Tensor, head_tokens: int) -> float:
-        """FLOPs of one forward over sequences of ``seq_lens`` tokens, with the LM head on
-        ``head_tokens`` positions (0 for the value model)."""
+        """FLOPs of one forward over sequences of ``seq_lens`` tokens (causal attention),
+        with the LM head on ``head_tokens`` positions (0 for the value model)."""
         d = self.dims
         n = float(seq_lens.sum())
-        sq = float((seq_lens.double() ** 2).sum())
-        attn = 4.0 * sq * d.head_dim * d.heads * d.num_layers
+        L = seq_lens.double()
+        pairs = float((L * (L + 1) / 2).sum())  # causal: query i attends to keys 0..i
+        attn = 4.0 * pairs * d.head_dim * d.heads * d.num_layers
         return 2.0 * self.body * n + 2.0 * self.head * head_tokens + attn
 
     def weight_bytes(self, dtype_bytes: int = 2) -> float:

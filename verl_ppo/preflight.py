@@ -119,9 +119,13 @@ def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
         cfg.derived(world_size)
     except ConfigError as exc:
         raise PreflightError(str(exc)) from None
-    try:  # reasoning-gym validates the task arguments when it builds the dataset
+    try:  # reasoning-gym validates the task arguments; Task checks the held-out size
         Task(
-            cfg.data.task, train_size=1, eval_size=1, seed=cfg.seed, overrides=cfg.data.task_kwargs
+            cfg.data.task,
+            train_size=1,
+            eval_size=cfg.data.eval_size,
+            seed=cfg.seed,
+            overrides=cfg.data.task_kwargs,
         )
     except TaskError as exc:
         raise PreflightError(str(exc)) from None

@@ -18,12 +18,14 @@ from verl_ppo.reshard.testing import (
     random_full_state,
     tiny_config,
 )
+from verl_ppo.reshard.wire import pairwise_mismatches
 
 
 def _check_pair(
     rank, kind, train, roll, method="engine", transport="all_to_all", bucket=2048, full=None
 ):
-    """Reshard once; return (bit-equal?, bytes received, plan figure, lower bound, recorded)."""
+    """Reshard once; return (bit-equal?, bytes received, plan figure, lower bound, recorded,
+    bytes counted at the transport calls and their sender/receiver agreement)."""
     cfg = tiny_config(kind)
     rec = CommRecorder()
     eng = ReshardEngine(
@@ -41,6 +43,9 @@ def _check_pair(
     exp = expected_rollout(eng.plan, rank, full)
     equal = out.keys() == exp.keys() and all(torch.equal(out[k], exp[k]) for k in exp)
     s = eng.last_stats
+    pairwise = None
+    if s.counted_sent_per_peer is not None:  # the engine counts at its transport calls
+        pairwise = pairwise_mismatches(s.counted_sent_per_peer, s.counted_received_per_peer)
     return (
         {
             "equal": equal,
@@ -52,6 +57,9 @@ def _check_pair(
             "buckets": s.buckets,
             "peak": s.peak_extra_bytes,
             "rollout_bytes": s.rollout_bytes,
+            "counted": s.counted_received,
+            "counted_sent": s.counted_sent,
+            "pairwise": pairwise,
         },
         eng,
         out,
@@ -117,6 +125,10 @@ def worker_4(rank, world):
         res["bad_layout"] = "no error"
     except ValueError as e:
         res["bad_layout"] = str(e)
+    # the pairwise check can fail: rank 0 claims 8 bytes more sent to rank 1 than arrived
+    sent = [0, 24, 0, 0] if rank == 0 else [0] * 4
+    recv = [16, 0, 0, 0] if rank == 1 else [0] * 4
+    res["pairwise_fabricated"] = pairwise_mismatches(sent, recv)
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     res["after_bad_layout_allreduce"] = t.item()
@@ -133,7 +145,9 @@ def worker_8(rank, world):
 
 def _assert_exact(r):
     assert r["equal"], r
-    assert r["recv"] == r["plan"] == r["lower"], r
+    # counted at the calls (per peer, from the tensors) == planned == lower bound
+    assert r["counted"] == r["recv"] == r["plan"] == r["lower"], r
+    assert r["counted_sent"] == r["sent"] and r["pairwise"] == [], r
     assert r["recorded_sent"] == r["sent"], r
 
 
@@ -148,6 +162,7 @@ def test_reshard_four_processes():
         z = r["zero3"]
         assert z["peak"] <= 2 * 1024 + z["rollout_bytes"], z
         assert r["tp4_greedy_equal"], rank
+        assert r["pairwise_fabricated"] == ["rank 0 -> 1: sent 24 B, received 16 B"]
         assert "does not divide the 2 attention heads" in r["bad_layout"], r["bad_layout"]
         assert r["after_bad_layout_allreduce"] == 10.0 and r["bad_layout_records"] == 0
 

@@ -54,6 +54,35 @@ def commit() -> str:
     return "unknown"
 
 
+# Paths whose changes do not make a run "dirty": the records a benchmark itself appends.
+_RECORD_PATHS = ("benchmarks/results/",)
+
+
+def dirty(repo: str | os.PathLike | None = None) -> bool | None:
+    """Whether the tree a run is made from differs from its commit (``git status
+    --porcelain``: modified, staged or untracked files, ``benchmarks/results/`` aside).
+
+    ``$VERL_DIRTY`` (``1``/``0``) wins: a copy of the tree without ``.git`` (a remote
+    machine) is checked where the copy was made and the answer passed along. None when
+    neither git nor the variable can tell.
+
+    Args:
+        repo: the working tree (default: the current directory).
+    """
+    if os.environ.get("VERL_DIRTY") in ("0", "1"):
+        return os.environ["VERL_DIRTY"] == "1"
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    paths = [ln[3:] for ln in out.stdout.splitlines() if ln.strip()]
+    return any(not p.startswith(_RECORD_PATHS) for p in paths)
+
+
 def now_iso() -> str:
     """UTC time, ISO 8601, seconds."""
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()

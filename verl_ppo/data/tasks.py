@@ -2,12 +2,21 @@
 
 Each task wraps a seeded reasoning-gym dataset. Prompts are rendered with the model's
 chat template and ask for the final answer inside ``<answer>...</answer>``; the scorer is
-reasoning-gym's own ``score_answer`` applied to the extracted answer. The evaluation split
-uses a different seed, so train and held-out prompts never coincide.
+reasoning-gym's own ``score_answer`` applied to the extracted answer.
+
+Train and held-out prompts are disjoint by construction: the task's question space is split
+by a stable hash of each question's key (:func:`split_key`: the arithmetic expression where
+reasoning-gym gives one, else the question text). A question whose hash falls in the first
+``eval_fraction`` of the hash range belongs to the held-out part and is never a train
+prompt, whatever the seeds; a seed only orders the questions within a part. A different
+seed for the eval generator (the former split) does not separate them: 2-term 1-digit sums
+have 121 distinct questions, and 11-13 of 48 seed-drawn eval prompts were among the first
+24 train prompts of each seed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +47,70 @@ _NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 NUMERIC_TASKS = frozenset({"basic_arithmetic", "chain_sum", "gsm_symbolic"})
 
 
+# Share of the question space held out for evaluation (by hash of the question key).
+EVAL_FRACTION = 0.5
+# Draws of the eval generator per requested eval prompt before a task is declared too small
+# (with a floor): 2,048 draws from a 121-question space miss a given question with
+# probability (120/121)^2048 ~ 5e-8.
+_EVAL_DRAWS_PER_PROMPT = 64
+_EVAL_DRAWS_MIN = 2048
+
+
 class TaskError(ValueError):
     """Unknown task or bad task arguments; the message lists the valid choices."""
+
+
+def split_key(entry: dict) -> str:
+    """The text that decides an entry's split: reasoning-gym's ``metadata["expression"]``
+    when present (so one sum asked in two phrasings lands in one split), else the question."""
+    meta = entry.get("metadata") or {}
+    return str(meta.get("expression") or entry["question"])
+
+
+def is_held_out(entry: dict, eval_fraction: float = EVAL_FRACTION) -> bool:
+    """True when ``entry``'s question is in the held-out part of its task's question space.
+
+    The first 8 bytes of the SHA-256 of :func:`split_key`, read as a fraction of 2**64, are
+    compared with ``eval_fraction``: stable across processes, Python versions and seeds.
+    """
+    digest = hashlib.sha256(split_key(entry).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
+
+
+class _TrainSplit:
+    """The train draws of a reasoning-gym dataset with held-out questions skipped.
+
+    ``self[i]`` is the i-th kept entry in generator order; past the last kept entry of the
+    generator's ``size`` draws it cycles. Entries are generated on demand (countdown takes
+    ~20 ms each), so only what is asked for is generated.
+    """
+
+    def __init__(self, source: Any, eval_fraction: float) -> None:
+        self._source = source
+        self._fraction = eval_fraction
+        self._kept: list[dict] = []
+        self._cursor = 0
+
+    def _scan_to(self, i: int) -> None:
+        while len(self._kept) <= i and self._cursor < len(self._source):
+            entry = self._source[self._cursor]
+            self._cursor += 1
+            if not is_held_out(entry, self._fraction):
+                self._kept.append(entry)
+
+    def __getitem__(self, i: int) -> dict:
+        self._scan_to(i)
+        if not self._kept:
+            raise TaskError(
+                f"all {len(self._source)} train draws are held-out questions; raise "
+                "train_size or widen the task (data.task_kwargs)"
+            )
+        return self._kept[i] if i < len(self._kept) else self._kept[i % len(self._kept)]
+
+    def __iter__(self) -> Iterator[dict]:
+        """The kept entries of all ``size`` draws, in order."""
+        self._scan_to(len(self._source))
+        return iter(list(self._kept))
 
 
 def extract_answer(text: str, numeric: bool = False) -> str | None:
@@ -78,17 +149,22 @@ class Sample:
 
 
 class Task:
-    """A seeded reasoning-gym dataset with a train and a held-out split.
+    """A seeded reasoning-gym dataset with a train and a held-out split, disjoint by hash.
 
     Args:
         name: one of ``TASKS``.
-        train_size: number of distinct train prompts (cycled).
-        eval_size: number of held-out prompts.
-        seed: train split seed; the eval split uses ``seed + 1_000_003``.
+        train_size: draws of the train generator (cycled); draws whose question is held out
+            are skipped, so about ``(1 - eval_fraction) * train_size`` train prompts remain.
+        eval_size: number of distinct held-out prompts.
+        seed: train generator seed; the eval generator uses ``seed + 1_000_003`` (it only
+            orders the held-out questions: membership is decided by :func:`is_held_out`).
         overrides: keyword arguments for the reasoning-gym dataset config.
+        eval_fraction: share of the question space held out (by hash), in (0, 1).
 
     Raises:
-        TaskError: unknown task name or arguments reasoning-gym rejects.
+        TaskError: unknown task name, arguments reasoning-gym rejects, or a question space
+            whose held-out part has fewer than ``eval_size`` distinct questions (the message
+            names ``data.eval_size`` and the fix).
     """
 
     def __init__(
@@ -98,20 +174,47 @@ class Task:
         eval_size: int = 64,
         seed: int = 0,
         overrides: dict[str, Any] | None = None,
+        eval_fraction: float = EVAL_FRACTION,
     ) -> None:
         if name not in TASKS:
             raise TaskError(f"unknown task {name!r}; choose one of {sorted(TASKS)} (data.task)")
+        if not 0.0 < eval_fraction < 1.0:
+            raise TaskError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
         import reasoning_gym
 
         kwargs = {**TASKS[name], **(overrides or {})}
         self.name = name
+        self.eval_fraction = eval_fraction
+        draws = max(_EVAL_DRAWS_MIN, _EVAL_DRAWS_PER_PROMPT * eval_size)
         try:
-            self.train = reasoning_gym.create_dataset(name, size=train_size, seed=seed, **kwargs)
-            self.eval = reasoning_gym.create_dataset(
-                name, size=eval_size, seed=seed + 1_000_003, **kwargs
+            source = reasoning_gym.create_dataset(name, size=train_size, seed=seed, **kwargs)
+            eval_source = reasoning_gym.create_dataset(
+                name, size=draws, seed=seed + 1_000_003, **kwargs
             )
         except (TypeError, ValueError, AssertionError) as exc:
             raise TaskError(f"reasoning-gym rejected data.task_kwargs for {name!r}: {exc}") from exc
+        self._scorer = source
+        self.train = _TrainSplit(source, eval_fraction)
+        self.eval = self._draw_eval(eval_source, eval_size, kwargs)
+
+    def _draw_eval(self, source: Any, eval_size: int, kwargs: dict[str, Any]) -> list[dict]:
+        """The first ``eval_size`` distinct held-out questions of ``source``, or TaskError."""
+        found: dict[str, dict] = {}
+        for i in range(len(source)):
+            if len(found) >= eval_size:
+                break
+            entry = source[i]
+            if is_held_out(entry, self.eval_fraction):
+                found.setdefault(split_key(entry), entry)
+        if len(found) < eval_size:
+            raise TaskError(
+                f"data.eval_size={eval_size} asks for {eval_size} distinct held-out questions, "
+                f"but task {self.name!r} with {kwargs} holds out only {len(found)} (a "
+                f"{self.eval_fraction:g} share of its question space, found in {len(source)} "
+                f"draws); set data.eval_size <= {len(found)} or widen the task "
+                "(data.task_kwargs, e.g. max_digits)"
+            )
+        return list(found.values())
 
     def render(self, tokenizer: Any, question: str) -> str:
         """Render one question with the tokenizer's chat template (generation prompt added)."""
@@ -127,12 +230,11 @@ class Task:
 
     def sample(self, tokenizer: Any, split: str, index: int) -> Sample:
         """Return the ``index``-th sample of ``split`` ("train" cycles, "eval" is fixed)."""
-        ds = self.train if split == "train" else self.eval
-        entry = ds[index % len(ds)]
+        entry = self.train[index] if split == "train" else self.eval[index % len(self.eval)]
         return Sample(self.render(tokenizer, entry["question"]), entry["question"], entry)
 
     def score(self, completion: str, entry: dict) -> float:
         """reasoning-gym's score in [0, 1] of the answer extracted from ``completion``."""
         return float(
-            self.train.score_answer(answer=task_answer(completion, self.name), entry=entry)
+            self._scorer.score_answer(answer=task_answer(completion, self.name), entry=entry)
         )

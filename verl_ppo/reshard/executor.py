@@ -6,8 +6,10 @@ buffers alternate (double buffering): bucket ``k + 1`` is packed while bucket ``
 in flight, and bucket ``k`` is unpacked while ``k + 1`` is in flight. Each buffer holds
 one bucket's sends and receives, at most ``bucket_bytes``, so the extra memory is at
 most two buckets plus the rollout shard itself. Local copies go first and never touch
-the wire. Bytes are counted from the actual split sizes, not from the plan, so a test
-can compare the two.
+the wire. ``bytes_sent``/``bytes_received`` are the plan's transfer sizes; the
+``counted_*`` fields are what a :class:`~verl_ppo.reshard.wire.WireCounter` saw handed to
+the backend, per peer, so a test or benchmark can compare the two (and, across ranks,
+each send with its receive: :func:`~verl_ppo.reshard.wire.pairwise_mismatches`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from verl_comm.telemetry import CommRecord, CommRecorder
 from verl_ppo.reshard.planner import ReshardPlan, Transfer, make_buckets
 from verl_ppo.reshard.specs import box_shape
+from verl_ppo.reshard.wire import WireCounter
 
 TRANSPORTS = ("all_to_all", "p2p")
 
@@ -31,7 +34,8 @@ class ReshardStats:
 
     Attributes:
         time_s: wall time (seconds), including local copies, after a device sync.
-        bytes_sent, bytes_received: payload bytes over the wire (this rank).
+        bytes_sent, bytes_received: payload bytes over the wire (this rank), summed from
+            the plan's transfers of this rank's buckets.
         lower_bound_bytes: rollout bytes this rank did not hold in training.
         rollout_bytes: size of this rank's rollout shard (bytes).
         peak_extra_bytes: transient buffers (both bucket buffers) plus the rollout shard
@@ -44,8 +48,11 @@ class ReshardStats:
             at most ``time_s`` although consecutive buckets overlap).
         unpack_s: seconds spent copying received data into the rollout shards, summed.
         local_s: seconds of the local (rank-to-itself) copies.
-        None where a method does not measure them. On CUDA all four come from CUDA events
-        on the current stream, read after the final synchronisation.
+        counted_sent, counted_received: bytes this rank handed to the backend to send to /
+            receive from other ranks, counted at the calls (:class:`WireCounter`).
+        counted_sent_per_peer, counted_received_per_peer: the same per peer (group index).
+        None where a method does not measure them. On CUDA all four times come from CUDA
+        events on the current stream, read after the final synchronisation.
     """
 
     time_s: float
@@ -59,6 +66,10 @@ class ReshardStats:
     wire_s: float | None = None
     unpack_s: float | None = None
     local_s: float | None = None
+    counted_sent: int | None = None
+    counted_received: int | None = None
+    counted_sent_per_peer: list[int] | None = None
+    counted_received_per_peer: list[int] | None = None
 
 
 class _Clock:
@@ -187,6 +198,7 @@ class ReshardExecutor:
                     self.aliased.add(p)
         self.local = [t for t in local if t.param not in self.aliased]
         self._schedule: dict[int, tuple[list, int]] = {}
+        self.wire = WireCounter(plan.world_size, rank, group)
 
     def schedule(self, itemsize: int) -> tuple[list[tuple[list[Transfer], list[Transfer]]], int]:
         """This rank's ``(sends, receives)`` per bucket and the buffer size (elements) for
@@ -240,6 +252,7 @@ class ReshardExecutor:
             raise ValueError(f"rank {r} holds no training shard; nothing to reshard from")
         itemsize = torch.empty((), dtype=dtype).element_size()
         _sync(device)
+        self.wire.reset()
         t0 = time.perf_counter()
         self._clock = clock = _Clock(device)
         self._t_start = time.perf_counter()
@@ -300,6 +313,10 @@ class ReshardExecutor:
             peak_extra_bytes=len(slots) * slot_elems * itemsize + fresh,
             buckets=len(mine),
             **timing,
+            counted_sent=self.wire.wire_sent(),
+            counted_received=self.wire.wire_received(),
+            counted_sent_per_peer=list(self.wire.sent),
+            counted_received_per_peer=list(self.wire.received),
         )
         return result, stats
 
@@ -363,17 +380,16 @@ class ReshardExecutor:
 
     def _launch(self, send: torch.Tensor, recv: torch.Tensor, ssz: list[int], rsz: list[int]):
         if self.transport == "all_to_all":
-            return dist.all_to_all_single(recv, send, rsz, ssz, group=self.group, async_op=True)
+            return self.wire.all_to_all_single(recv, send, rsz, ssz)
         ops, so, ro = [], 0, 0
         for peer in range(len(ssz)):
-            g = peer if self.group is None else dist.get_global_rank(self.group, peer)
             if ssz[peer]:
-                ops.append(dist.P2POp(dist.isend, send[so : so + ssz[peer]], g, self.group))
+                ops.append(("send", send[so : so + ssz[peer]], peer))
             if rsz[peer]:
-                ops.append(dist.P2POp(dist.irecv, recv[ro : ro + rsz[peer]], g, self.group))
+                ops.append(("recv", recv[ro : ro + rsz[peer]], peer))
             so += ssz[peer]
             ro += rsz[peer]
-        return dist.batch_isend_irecv(ops) if ops else []
+        return self.wire.batch_isend_irecv(ops)
 
     def _finish(self, work, recvs, rbuf, send_n, k, t_issue, outs, itemsize, n) -> None:
         for w in work if isinstance(work, list) else [work]:
