@@ -283,7 +283,8 @@ def _reshard_metrics(
         "reshard/wire_and_copy_s": s.time_s,
         "reshard/bytes_per_rank": float(s.bytes_received),
         "reshard/bytes_sent_per_rank": float(s.bytes_sent),
-        **(  # the engine counts at its transport calls (None: not counted)
+        # the engine counts at its transport calls (None: not counted)
+        **(
             {}
             if s.counted_received is None
             else {"reshard/bytes_counted_per_rank": float(s.counted_received)}
