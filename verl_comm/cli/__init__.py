@@ -43,4 +43,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(_SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)
-

@@ -333,4 +333,3 @@ def main(argv: list[str] | None = None) -> int:
     report = run_doctor(args)
     print(json.dumps(report, indent=1) if args.json else _fmt_text(report))
     return 0 if report["ok"] else 1
-
