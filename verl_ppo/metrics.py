@@ -82,13 +82,10 @@ class MetricsWriter:
     rewritten atomically), every other row is appended.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._steps: set[Any] = set()
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._steps = {r.get("step") for r in self._read()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._steps: set[Any] = {r.get("step") for r in self._read()}
 
     def _read(self) -> list[dict[str, Any]]:
         if not self.path.is_file():
@@ -102,7 +99,7 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after ``step`` (on resume: those steps run again), atomically."""
-        if not self.enabled or not self.path.is_file():
+        if not self.path.is_file():
             return
         keep = [r for r in self._read() if r.get("step", 0) <= step]
         self._rewrite(keep)
@@ -110,8 +107,6 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         """Write ``record`` (non-finite floats become null), replacing a row of its step."""
-        if not self.enabled:
-            return
         clean = {
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in record.items()
