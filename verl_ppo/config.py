@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -32,14 +31,11 @@ from pydantic import (
 from verl_comm.compression.config import CompressionConfig
 from verl_ppo.algorithms import POLICY_LOSSES, REWARD_SHAPERS
 from verl_ppo.reshard.config import HybridEngineConfig
+from verl_ppo.strict_model import StrictModel as _Strict
 
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names each bad field and the fix."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
 class ModelConfig(_Strict):
