@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from verl_comm.telemetry import CommRecorder
+from verl_comm.telemetry import CommRecorder, rss_bytes
 
 FORMAT_VERSION = 1
 ANCHOR = "verl_profiler::anchor"
@@ -58,15 +58,6 @@ class _NullPhase(AbstractContextManager):
 
 
 _NULL_PHASE = _NullPhase()
-
-
-def _rss_bytes() -> int:
-    """Resident set size of this process in bytes (Linux ``/proc``; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 # Element sizes of the dtype names torch's profiler writes in NCCL kernel args.
@@ -327,7 +318,7 @@ class VerlProfiler:
                 "allocated": int(torch.cuda.memory_allocated()),
                 "reserved": int(torch.cuda.memory_reserved()),
             }
-        rss = _rss_bytes()
+        rss = rss_bytes()
         return {"allocated": rss, "reserved": rss}
 
     # ------------------------------------------------------------------ lifecycle
