@@ -211,20 +211,15 @@ def build_case(
     if collective == "all_reduce":
         out = torch.empty(count, dtype=dtype, device=device)
         inp = out if inplace else torch.empty(count, dtype=dtype, device=device)
-    elif collective == "reduce_scatter":
-        inp = torch.empty(count, dtype=dtype, device=device)
-        out = (
-            inp[rank * c : (rank + 1) * c]
+    elif collective in ("reduce_scatter", "all_gather"):
+        # the full buffer and this rank's chunk (in place: the chunk is a view of it)
+        full = torch.empty(count, dtype=dtype, device=device)
+        part = (
+            full[rank * c : (rank + 1) * c]
             if inplace
             else torch.empty(c, dtype=dtype, device=device)
         )
-    elif collective == "all_gather":
-        out = torch.empty(count, dtype=dtype, device=device)
-        inp = (
-            out[rank * c : (rank + 1) * c]
-            if inplace
-            else torch.empty(c, dtype=dtype, device=device)
-        )
+        inp, out = (full, part) if collective == "reduce_scatter" else (part, full)
     elif collective == "all_to_all":
         if inplace:
             raise Unsupported("all_to_all_single needs distinct input and output buffers")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from verl_comm.extras import require
+from verl_comm.extras import pyplot, save_figure
 from verl_comm.profiler.analysis import BACKWARD_PHASES, ENVELOPE_OPS
 
 PHASE_ORDER = (
@@ -166,9 +166,7 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
 def plot_report(metrics: dict, path: str | os.PathLike) -> Path:
     """Stacked bars of the top-level phases per step, with communication time per step
     drawn as a black line over them (PNG, matplotlib Agg)."""
-    matplotlib = require("matplotlib")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     steps = metrics["per_step"]
     names = _ordered({n for s in steps for n in s["phases"]})
@@ -192,9 +190,4 @@ def plot_report(metrics: dict, path: str | os.PathLike) -> Path:
         f"comm {(c['share_of_step'] or 0):.0%} of step"
     )
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save_figure(fig, path)
