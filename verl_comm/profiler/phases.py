@@ -17,12 +17,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from verl_comm.profiler.core import VerlProfiler
 
 
 class _NullPhase(AbstractContextManager):
@@ -45,7 +42,9 @@ class Phase(AbstractContextManager):
 
     Args:
         name: the phase's name (``gen``, ``reward``, ...).
-        profiler: the profiler to record into (only while it is active), or None.
+        profiler: the :class:`~verl_comm.profiler.VerlProfiler` to record into (only while
+            it is active), or None. Typed ``Any``: core.py imports this module, not the
+            reverse.
         sync_cuda: synchronise CUDA at entry and exit and keep the peak allocated CUDA
             memory of the block (:attr:`peak_bytes`); the profiler's own ``cuda_sync``
             and ``record_memory`` settings ask for the same when it records.
@@ -55,7 +54,7 @@ class Phase(AbstractContextManager):
         peak_bytes: peak allocated CUDA memory during the block (None unless ``sync_cuda``).
     """
 
-    def __init__(self, name: str, profiler: VerlProfiler | None = None, sync_cuda: bool = False):
+    def __init__(self, name: str, profiler: Any = None, sync_cuda: bool = False) -> None:
         self.name = name
         self.prof = profiler if profiler is not None and profiler.active else None
         self.sync = sync_cuda or (self.prof is not None and self.prof._cuda_sync)
@@ -127,7 +126,7 @@ class PhaseTimer:
             allocated CUDA memory (``memory/peak_gib/<phase>``).
     """
 
-    def __init__(self, profiler: VerlProfiler | None = None, sync_cuda: bool = False) -> None:
+    def __init__(self, profiler: Any = None, sync_cuda: bool = False) -> None:
         self.times: dict[str, float] = {}
         self.peaks: dict[str, float] = {}
         self.profiler = profiler
