@@ -8,7 +8,10 @@ by name with the command that installs it, instead of a bare ``ModuleNotFoundErr
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 EXTRA_OF: dict[str, str] = {
     "matplotlib": "plot",
@@ -52,3 +55,23 @@ def require(module: str) -> ModuleType:
         if hint is None:
             raise
         raise ModuleNotFoundError(hint, name=exc.name) from exc
+
+
+def pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the Agg backend (files, no display).
+
+    Raises:
+        ModuleNotFoundError: naming the ``plot`` extra and the install command.
+    """
+    require("matplotlib").use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
+
+
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """Lay out ``fig``, write it as a PNG to ``path`` (folders created) and close it."""
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=dpi)
+    pyplot().close(fig)
+    return p

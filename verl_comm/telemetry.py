@@ -1,5 +1,5 @@
 """Communication records shared by the hooks, the reducer, the resharding engine
-and the profiler.
+and the profiler; the process's resident memory (:func:`rss_bytes`).
 
 A :class:`CommRecorder` is passed in explicitly (hook state, reducer, reshard
 executor take ``recorder=``); nothing here is global. Records carry bytes on the
@@ -8,6 +8,8 @@ wire per rank, the group size and the wall time of the collective.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -100,3 +102,20 @@ class CommRecorder:
         """Sum of ``nbytes`` over the records collected so far."""
         with self._lock:
             return sum(r.nbytes for r in self._records)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process in bytes: the current one from ``/proc/self/statm``
+    (Linux), elsewhere the peak one from ``getrusage`` (``ru_maxrss``: bytes on macOS, KiB on
+    the other systems); 0 where neither exists."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

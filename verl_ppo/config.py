@@ -22,7 +22,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
@@ -33,12 +32,9 @@ from pydantic import (
 from verl_comm.compression.config import CompressionConfig
 from verl_ppo.errors import ConfigError, divisors
 from verl_ppo.reshard.config import HybridEngineConfig
+from verl_ppo.strict_model import StrictModel as _Strict
 
 __all__ = ["ConfigError", "Derived", "PPOConfig", "build_config", "exact_div", "load_config"]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
 class ModelConfig(_Strict):

@@ -1,4 +1,5 @@
-"""Run logging: one small logger, a JSONL metrics file and a timing helper.
+"""Run logging: one small logger, a JSONL metrics file and the phase timer
+(:class:`verl_comm.profiler.phases.PhaseTimer`, the one phase timer, re-exported here).
 
 Metric keys carry namespaces and units (``timing_s/gen``, ``perf/throughput_tokens_per_s``,
 ``reward/mean``); the JSONL file holds one object per logged step.
@@ -10,11 +11,10 @@ import json
 import logging
 import math
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from verl_comm.profiler.phases import PhaseTimer as PhaseTimer  # re-export
 
 
 def get_logger(rank: int) -> logging.Logger:
@@ -39,51 +39,6 @@ def progress_bar(total: int, desc: str, initial: int = 0, enabled: bool = True) 
     return tqdm(total=total, initial=initial, desc=desc, disable=not on, dynamic_ncols=True)
 
 
-class PhaseTimer:
-    """Wall time per named phase of a step, reported as ``timing_s/<phase>``.
-
-    ``profiler`` (optional) is any object with a ``phase(name)`` context manager (e.g.
-    ``verl_comm.profiler.VerlProfiler``); its ranges then match these timings. With
-    ``sync_cuda`` the peak allocated CUDA memory of each phase is kept too
-    (``memory/peak_gib/<phase>``).
-    """
-
-    def __init__(self, profiler: Any = None, sync_cuda: bool = False) -> None:
-        self.times: dict[str, float] = {}
-        self.peaks: dict[str, float] = {}
-        self.profiler = profiler
-        self.sync_cuda = sync_cuda
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time the enclosed block as phase ``name`` (accumulates if entered twice)."""
-        if self.sync_cuda:
-            import torch
-
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        if self.profiler is not None:
-            with self.profiler.phase(name):
-                yield
-        else:
-            yield
-        if self.sync_cuda:
-            import torch
-
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() / 2**30
-            self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
-
-    def metrics(self) -> dict[str, float]:
-        """``{"timing_s/<phase>": seconds}`` and ``timing_s/step`` (their sum)."""
-        out = {f"timing_s/{k}": v for k, v in self.times.items()}
-        out["timing_s/step"] = sum(self.times.values())
-        out.update({f"memory/peak_gib/{k}": v for k, v in self.peaks.items()})
-        return out
-
-
 class MetricsWriter:
     """One JSON object per step in ``run_dir/metrics.jsonl`` (rank 0 only).
 
@@ -92,13 +47,10 @@ class MetricsWriter:
     rewritten atomically), every other row is appended.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._steps: set[Any] = set()
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._steps = {r.get("step") for r in self._read()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._steps: set[Any] = {r.get("step") for r in self._read()}
 
     def _read(self) -> list[dict[str, Any]]:
         if not self.path.is_file():
@@ -112,7 +64,7 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after ``step`` (on resume: those steps run again), atomically."""
-        if not self.enabled or not self.path.is_file():
+        if not self.path.is_file():
             return
         keep = [r for r in self._read() if r.get("step", 0) <= step]
         self._rewrite(keep)
@@ -120,8 +72,6 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         """Write ``record`` (non-finite floats become null), replacing a row of its step."""
-        if not self.enabled:
-            return
         clean = {
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in record.items()

@@ -31,11 +31,11 @@ set of this process, from ``/proc/self/statm``) always. ``verl_ppo_step`` is the
 from __future__ import annotations
 
 import math
-import os
-import resource
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from verl_comm.telemetry import rss_bytes
 
 _COMM = {
     "wire_bytes": "bytes",
@@ -46,15 +46,6 @@ _COMM = {
     "allreduce_time_s": "time",
     "compression_ratio": "ratio",
 }
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process in bytes (``/proc/self/statm``; peak RSS elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class PrometheusMonitor:

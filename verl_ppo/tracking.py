@@ -88,7 +88,7 @@ class JsonlLogger:
     """
 
     def __init__(self, run_dir: str | Path, resume_step: int = 0) -> None:
-        self.writer = MetricsWriter(run_dir, enabled=True)
+        self.writer = MetricsWriter(run_dir)
         if resume_step > 0:
             self.writer.truncate_after(resume_step)
 

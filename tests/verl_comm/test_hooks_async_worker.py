@@ -1,7 +1,7 @@
 """Worker processes for the execution-model tests of the hooks (gloo, CPU); not a test module.
 
-Launched by ``test_hooks_async.py`` through ``test_hooks_ddp_worker.spawn_session`` (same
-command line, run by that module's ``worker_main``); each scenario returns a dict of plain
+Launched by ``test_hooks_async.py`` through ``test_hooks_ddp_worker.spawn_session`` (its
+``run_session`` reads :data:`SCENARIOS` of this file); each scenario returns a dict of plain
 results per rank.
 """
 
@@ -351,10 +351,3 @@ SCENARIOS = {
     "count": scenario_count,
     "state_dict_in_flight": scenario_state_dict_in_flight,
 }
-
-
-if __name__ == "__main__":
-    # the DDP worker's command line and session (run as a script, this folder is sys.path[0])
-    from test_hooks_ddp_worker import worker_main
-
-    worker_main(SCENARIOS)

@@ -17,6 +17,8 @@ import warnings
 import pytest
 import torch
 
+from tests._models import mlp
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 METHODS = {
@@ -58,19 +60,13 @@ def _cfg(fields):
         return CompressionConfig(bucket_cap_mb=1.0, **fields)
 
 
-def _model(dev):
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(512, 512) for _ in range(4)] + [torch.nn.Linear(512, 8)]
-    return torch.nn.Sequential(*layers).to(dev)
-
-
 def _trainer(dev, fields, reducer, lr):
-    """``(step(x, before_update=None), module, state)``: SGD on :func:`_model` through DDP
+    """``(step(x, before_update=None), module, state)``: SGD on a 5-layer MLP (512 wide, 8 out) through DDP
     with our hook, or through the bucketed reducer."""
     from verl_comm.hooks import make_hook
     from verl_comm.reducer import BucketedReducer
 
-    module = _model(dev)
+    module = mlp(512, 512, 512, 512, 512, 8).to(dev)
     hook, state = make_hook(_cfg(fields))
     red = None
     if reducer:

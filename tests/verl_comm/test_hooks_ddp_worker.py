@@ -1,21 +1,18 @@
 """Worker processes for the multi-process hook tests (gloo, CPU); not a test module itself.
 
-``spawn_session(world, scenarios, out_dir)`` launches W subprocesses of this file; each joins
-a gloo group on a free TCP port, runs the named scenarios in order and saves a dict of plain
-results per rank (``rank{r}.pt``). Test files load this module by path and assert on the
-results. Everything has a timeout: the process group (60 s), the subprocesses (caller's).
+``spawn_session(world, scenarios, out_dir)`` runs :func:`run_session` on W ranks through the
+library launcher (:func:`verl_comm.distributed.launch.spawn`); each rank joins a gloo group,
+runs the named scenarios in order and returns a dict of plain results. Test files load this
+module by path and assert on the results. Everything has a timeout: the process group (60 s),
+the ranks (caller's).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import hashlib
-import os
-import subprocess
-import sys
+import importlib.util
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -23,10 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from verl_comm.distributed.launch import free_port
+from verl_comm.distributed.launch import spawn
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parents[2]
 
 
 # -- launcher (runs in the pytest process) -------------------------------------------------
@@ -39,37 +35,17 @@ def spawn_session(
     timeout_s: float = 240.0,
     script: Path = HERE,
 ) -> list[dict]:
-    """Run ``scenarios`` in ``world`` gloo processes of ``script`` (a worker file with this
-    command line); return the per-rank result dicts.
+    """Run ``scenarios`` (``name:key=value,...`` specs of ``script``'s ``SCENARIOS``) on
+    ``world`` gloo ranks through the library launcher; return the per-rank result dicts.
 
     Raises:
-        RuntimeError: a process failed or timed out (its stderr tail is included).
+        RuntimeError: a rank failed (its traceback is in the message) or ``timeout_s``
+            passed.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", PYTHONHASHSEED="0")
-    procs = []
-    for r in range(world):
-        cmd = [sys.executable, str(script), "--rank", str(r), "--world", str(world)]
-        cmd += ["--port", str(port), "--out", str(out_dir), *scenarios]
-        procs.append(
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        )
-    errors = []
-    for r, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            _, err = p.communicate()
-            errors.append(f"rank {r} timed out after {timeout_s} s:\n{err.decode()[-3000:]}")
-            continue
-        if p.returncode != 0:
-            errors.append(f"rank {r} exited {p.returncode}:\n{err.decode()[-3000:]}")
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    env = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PYTHONHASHSEED": "0"}
+    return spawn(run_session, world, (str(script), scenarios, str(out_dir)), timeout_s=60,
+                 deadline_s=timeout_s, env=env)  # fmt: skip
 
 
 # -- model and data ------------------------------------------------------------------------
@@ -667,38 +643,23 @@ def _parse(spec: str):
     return name, kw
 
 
-def worker_main(scenarios: dict) -> None:
-    """One rank of a session: ``--rank/--world/--port/--out SPEC...`` (as ``spawn_session``
-    passes them); joins the gloo group, runs each ``name:key=value,...`` spec's function of
-    ``scenarios`` and saves the per-spec results (or the traceback) to ``rank{r}.pt``. Also
-    the main of ``test_hooks_async_worker.py``."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("scenarios", nargs="+")
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{a.port}",
-        rank=a.rank,
-        world_size=a.world,
-        timeout=timedelta(seconds=60),
-    )
+def run_session(rank: int, world: int, script: str, specs: list[str], out: str) -> dict:
+    """One rank of a session, in the gloo group (60 s timeout) ``spawn`` made: each
+    ``name:key=value,...`` spec's function of ``script``'s ``SCENARIOS`` (this file's or
+    ``test_hooks_async_worker.py``'s), its result or its traceback per spec."""
+    scenarios = SCENARIOS
+    if Path(script).resolve() != HERE:
+        spec = importlib.util.spec_from_file_location(Path(script).stem, script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        scenarios = module.SCENARIOS
     results = {}
-    for spec in a.scenarios:
-        name, kw = _parse(spec)
+    for spec_text in specs:
+        name, kw = _parse(spec_text)
         try:
-            results[spec] = scenarios[name](a.rank, a.world, a.out, **kw)
+            results[spec_text] = scenarios[name](rank, world, out, **kw)
         except Exception:
-            results[spec] = {"exception": traceback.format_exc()}
-    torch.save(results, Path(a.out) / f"rank{a.rank}.pt")
+            results[spec_text] = {"exception": traceback.format_exc()}
     gc.collect()
     dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    worker_main(SCENARIOS)
+    return results

@@ -8,9 +8,6 @@ gradients become ready), as after a real resize.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import pytest
 import torch
 
 from verl_comm.compression import CompressionConfig
-from verl_comm.distributed.launch import free_port
+from verl_comm.distributed.launch import spawn
 from verl_comm.hooks import CommHookState, GradBucket, int8_hook
 
 SHAPES = [(24, 16), (24,), (24, 24), (24,), (8, 24), (8,)]
@@ -91,31 +88,8 @@ def test_load_same_world_size_keeps_state_until_layout_matches():
 
 
 def _spawn(world: int, phase: str, tmp: Path) -> list[dict]:
-    port = free_port()
-    root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=path)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, phase, str(r), str(world), str(port), str(tmp)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for r in range(world)
-    ]
-    errs = []
-    for r, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            _, err = p.communicate()
-        if p.returncode != 0:
-            errs.append(f"rank {r} exited {p.returncode}:\n{err.decode()[-3000:]}")
-    assert not errs, "\n".join(errs)
-    return [torch.load(tmp / f"{phase}_rank{r}.pt", weights_only=False) for r in range(world)]
+    return spawn(_worker, world, (phase, tmp), timeout_s=120, deadline_s=180,
+                 env={"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -161,16 +135,13 @@ class Swapped(torch.nn.Module):
         return self.late(torch.tanh(self.mid(torch.tanh(self.early(x)))))
 
 
-def _worker(phase: str, rank: int, world: int, port: int, tmp: Path) -> None:
+def _worker(rank: int, world: int, phase: str, tmp: Path) -> dict:
+    """One rank of ``phase`` ("save" or "load") in the gloo group ``spawn`` made."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from verl_comm.hooks import register_comm_hook
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
     out: dict = {}
     torch.manual_seed(0)
     model = Swapped()
@@ -213,14 +184,9 @@ def _worker(phase: str, rank: int, world: int, port: int, tmp: Path) -> None:
         except Exception as e:  # noqa: BLE001 - the test checks type and message
             out["mixed_precision_error"] = (type(e).__name__, str(e))
         del mp
-    torch.save(out, tmp / f"{phase}_rank{rank}.pt")
     del ddp, model
     import gc
 
     gc.collect()
     dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+    return out

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_comm.nccl import autotune as at
-from verl_comm.nccl.cli import main, parse_size
+from verl_comm.bench import autotune as at
+from verl_comm.cli.nccl import main, parse_size
 
 DATA = Path(__file__).parent / "data"
 ADVICE = ["NCCL_ASYNC_ERROR_HANDLING=0", "NCCL_SOCKET_TIMEOUT=1200", "NCCL_NSOCKS_PERTHREAD=8",

@@ -12,6 +12,7 @@ from verl_comm.profiler import Thresholds, VerlProfiler, diagnose
 from verl_comm.profiler import intervals as iv
 from verl_comm.profiler.analysis import analyze_rank, analyze_run, find_runs
 from verl_comm.profiler.cli import main as profile_main
+from verl_comm.profiler.phases import PhaseTimer
 from verl_comm.telemetry import CommRecorder
 
 
@@ -39,6 +40,38 @@ def test_disabled_profiler_is_a_no_op(tmp_path):
     assert not prof.recorder.enabled
     with pytest.raises(RuntimeError, match="stopped profiler"):
         prof.export_chrome_trace(tmp_path / "t.json")
+
+
+def test_phase_timer_and_profiler_share_one_measurement(tmp_path):
+    prof = VerlProfiler(output_dir=tmp_path, torch_profiler=False, steps=[0], sync_ranks=False)
+    timer = PhaseTimer(profiler=prof)
+    with prof:
+        for nap in (0.004, 0.002):  # one phase entered twice: its times add up
+            with timer.phase("gen"):
+                time.sleep(nap)
+        with timer.phase("reward"):
+            with prof.phase("inner"):  # the profiler's own phases nest inside the timer's
+                pass
+        prof.step()  # step 1 is not profiled: the timer times it, the profiler records nothing
+        later = PhaseTimer(profiler=prof)
+        with later.phase("gen"):
+            time.sleep(0.001)
+    recorded = prof.to_dict()["phases"]
+    assert [(p["name"], p["depth"]) for p in recorded] == [
+        ("gen", 0), ("gen", 0), ("inner", 1), ("reward", 0)
+    ]  # fmt: skip
+    # bit-equal on purpose: the timer's seconds are the t1 - t0 the profiler recorded (one
+    # measurement of each block, not two nested ones)
+    gens = [p["t1"] - p["t0"] for p in recorded if p["name"] == "gen"]
+    assert timer.times["gen"] == gens[0] + gens[1] and timer.times["gen"] >= 0.006
+    assert timer.times["reward"] == next(
+        p["t1"] - p["t0"] for p in recorded if p["name"] == "reward"
+    )
+    m = timer.metrics()
+    assert m["timing_s/step"] == pytest.approx(
+        timer.times["gen"] + timer.times["reward"], rel=1e-12
+    )
+    assert later.times["gen"] >= 0.001 and not timer.peaks  # no CUDA sync asked: no peaks
 
 
 def test_from_config_mapping_object_and_none(tmp_path):
@@ -241,26 +274,24 @@ def test_device_timeline_exposed_comm_and_idle_gaps(tmp_path):
 
 
 def test_nccl_kernel_args_give_collective_and_bytes():
-    from verl_comm.profiler.core import _collective_args
+    from verl_comm.profiler.torch_events import collective_args
 
     args = {"Collective name": "allreduce", "In msg nelems": 1000, "dtype": "BFloat16",
             "Group size": 2}  # fmt: skip
-    assert _collective_args(args) == {"collective": "allreduce", "group_size": 2, "in_bytes": 2000}
-    assert _collective_args({"In msg nelems": 10, "dtype": "Float"}) == {"in_bytes": 40}
-    assert _collective_args({"In msg nelems": "x", "dtype": "Float"}) == {}  # unknown -> left out
-    assert _collective_args({}) == {}
+    assert collective_args(args) == {"collective": "allreduce", "group_size": 2, "in_bytes": 2000}
+    assert collective_args({"In msg nelems": 10, "dtype": "Float"}) == {"in_bytes": 40}
+    assert collective_args({"In msg nelems": "x", "dtype": "Float"}) == {}  # unknown -> left out
+    assert collective_args({}) == {}
 
 
 def test_gloo_work_event_shapes_give_bytes():
-    from verl_comm.profiler.core import _gloo_input_bytes
+    from verl_comm.profiler.torch_events import gloo_input_bytes
 
     args = {"Input Dims": [[4, 10]], "Input type": ["c10::BFloat16"]}
-    assert _gloo_input_bytes(args) == {"in_bytes": 80}
-    assert _gloo_input_bytes({"Input Dims": [[7]], "Input type": ["signed char"]}) == {
-        "in_bytes": 7
-    }
-    assert _gloo_input_bytes({"Input Dims": [[7]], "Input type": ["mystery"]}) == {}
-    assert _gloo_input_bytes({}) == {}
+    assert gloo_input_bytes(args) == {"in_bytes": 80}
+    assert gloo_input_bytes({"Input Dims": [[7]], "Input type": ["signed char"]}) == {"in_bytes": 7}
+    assert gloo_input_bytes({"Input Dims": [[7]], "Input type": ["mystery"]}) == {}
+    assert gloo_input_bytes({}) == {}
 
 
 def test_wire_bytes_leave_out_reducer_envelopes_and_count_nccl_input(tmp_path):

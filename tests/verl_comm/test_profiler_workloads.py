@@ -2,8 +2,9 @@
 attribute each injected delay within 10% and name the right symptom; a clean workload
 must yield no diagnosis.
 
-The ranks run this file as a script (``python test_profiler_workloads.py --worker ...``) so
-that nothing needs pickling; each rank writes one profile per workload into a folder.
+The ranks run :func:`_worker` of this file through the library launcher
+(:func:`verl_comm.distributed.launch.spawn`); each rank writes one profile per workload into
+a folder.
 
 Ground truth is measured by the workload itself (``perf_counter`` around each injected
 delay). On a shared, overloaded machine a ``sleep`` can overshoot by tens of ms, which
@@ -15,18 +16,13 @@ skipped, saying so, only if every attempt was disturbed.
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import gc
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from verl_comm.distributed.launch import spawn
 
 STEPS = 10
 GEN_S = 0.05
@@ -99,53 +95,18 @@ def _workload(name: str, out: Path, rank: int, world: int) -> dict:
     return {**truth, "overshoot_s": nap.overshoot}
 
 
-def _worker(rank: int, world: int, port: int, out: Path, names: list[str]) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=dt.timedelta(seconds=60),
-    )
-    try:
-        measured = {n: _workload(n, out, rank, world) for n in names}
-        (out / f"measured_rank{rank}.json").write_text(json.dumps(measured))
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, out: Path, names: list[str]) -> None:
+    """One rank, in the gloo group (60 s timeout) ``spawn`` made: each workload of ``names``,
+    its ground truth written to ``out/measured_rank{rank}.json``."""
+    measured = {n: _workload(n, out, rank, world) for n in names}
+    (out / f"measured_rank{rank}.json").write_text(json.dumps(measured))
 
 
 WORKLOADS = ["clean", "reward_sleep", "big_allreduce", "jitter", "slow_rollout"]
 
 
 def _spawn(out: Path, names: list[str]) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, __file__, "--worker"]
-    procs = [
-        subprocess.Popen(
-            cmd + [str(r), "2", str(port), str(out), ",".join(names)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    spawn(_worker, 2, (out, names), timeout_s=60, deadline_s=150, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -267,13 +228,3 @@ def test_report_cli_json_text_png_and_chrome_trace(profiled, capsys):
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"phase::gen", "phase::reward", "phase::update_actor"} <= names
     assert all("ph" in e for e in trace["traceEvents"])
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--worker", nargs=5, required=True, metavar=("RANK", "WORLD", "PORT", "OUT", "NAMES")
-    )
-    a = ap.parse_args()
-    r, w, port, outdir, names = a.worker
-    _worker(int(r), int(w), int(port), Path(outdir), names.split(","))

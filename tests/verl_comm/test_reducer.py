@@ -1,31 +1,22 @@
 """Tests of verl_comm.reducer: the bucket planner against torch's own, GradBucket's
 contract, and 2-process gloo runs of the reducer against DDP with the same hook.
 
-Multi-process cases run this file as a script (``python test_reducer.py --scenario
-...``) in W subprocesses with a TCP rendezvous on a free port; each rank saves its
-results with ``torch.save`` and the test compares them.
+Multi-process cases run :func:`_worker` of this file on W ranks through the library
+launcher (:func:`verl_comm.distributed.launch.spawn`); each rank returns its results and the
+test compares them.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import gc
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from verl_comm.distributed.launch import free_port
+from verl_comm.distributed.launch import spawn
 from verl_comm.reducer import BucketedReducer, GradBucket, TensorSpec, plan_buckets
-
-HERE = Path(__file__).resolve()
 
 
 # ----------------------------------------------------------------- pure tests
@@ -354,57 +345,28 @@ SCENARIOS = {
 }
 
 
-def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+def _worker(rank: int, world: int, scenario: str) -> dict:
+    """One rank (in a gloo group with a 60 s timeout made by ``spawn``): the results of the
+    comma-separated ``scenario`` names of :data:`SCENARIOS`."""
     out: dict = {}
-    try:
-        for name in scenario.split(","):
-            out[name] = {}
-            SCENARIOS[name](rank, world, out[name])
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
+    for name in scenario.split(","):
+        out[name] = {}
+        SCENARIOS[name](rank, world, out[name])
+    return out
 
 
-def run_ranks(scenario: str, tmp_path: Path, world: int = 2, timeout: float = 120) -> list[dict]:
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE), scenario, str(r), str(world), str(port), str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+def _on_ranks(scenario: str, world: int = 2, timeout: float = 120) -> list[dict]:
+    """Every rank's :func:`_worker` results; a rank's failure is raised with its traceback."""
+    return spawn(_worker, world, (scenario,), timeout_s=60, deadline_s=timeout,
+                 env={"OMP_NUM_THREADS": "1"})  # fmt: skip
 
 
 # --------------------------------------------------------- distributed tests
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results():
     """All 2-rank scenarios in one launch (process start-up dominates on CPU)."""
     names = ",".join(SCENARIOS)  # "timeout" last: it leaves a future pending
-    res = run_ranks(names, tmp_path_factory.mktemp("reducer"), timeout=240)
+    res = _on_ranks(names, timeout=240)
     return {name: [r[name] for r in res] for name in SCENARIOS}
 
 
@@ -450,9 +412,9 @@ def test_reducer_matches_ddp_with_verl_comm_hooks(results, hook):
 
 
 @pytest.mark.timeout(300)
-def test_reducer_matches_ddp_world_size_3(tmp_path):
+def test_reducer_matches_ddp_world_size_3():
     """Odd world size; bucket sizes not multiples of W x quant_block."""
-    res = run_ranks("vs_ddp_ours", tmp_path, world=3, timeout=240)
+    res = _on_ranks("vs_ddp_ours", world=3, timeout=240)
     for r, out in enumerate(res):
         for hook in ("int8", "lowrank"):
             o = out["vs_ddp_ours"][hook]
@@ -516,14 +478,3 @@ def test_reducer_timeout_is_an_error(results):
     res = results["timeout"]
     for out in res:
         assert out["error"] is not None and "not reduced after" in out["error"]
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", help="comma-separated names from SCENARIOS")
-    ap.add_argument("rank", type=int)
-    ap.add_argument("world", type=int)
-    ap.add_argument("port", type=int)
-    ap.add_argument("out_dir")
-    a = ap.parse_args()
-    _worker(a.scenario, a.rank, a.world, a.port, a.out_dir)

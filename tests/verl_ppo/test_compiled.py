@@ -23,7 +23,7 @@ from verl_ppo.models import build_value_model
 
 
 def _tiny(layers: int = 2, dtype=torch.float32) -> torch.nn.Module:
-    from tests.verl_ppo._models import tiny_causal_lm
+    from tests._models import tiny_causal_lm
 
     fields = dict(hidden_size=64, intermediate_size=128, vocab_size=256)
     return tiny_causal_lm("llama", num_hidden_layers=layers, **fields).to(dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.verl_ppo._models import tiny_causal_lm
+from tests._models import left_padded_prompts, tiny_causal_lm
 from verl_ppo.rollout.cuda_graph import StaticCacheDecoder, decoder_for
 from verl_ppo.rollout.generate import generate
 
@@ -17,19 +17,9 @@ pytestmark = pytest.mark.timeout(120)
 CUDA = torch.cuda.is_available()
 
 
-def _model(model_type: str, device: str = "cpu") -> torch.nn.Module:
-    # initializer_range 0.3: well-separated logits, kernels that differ in rounding agree
-    m = tiny_causal_lm(model_type, head_dim=8, initializer_range=0.3)
-    return m.to(device).eval()
-
-
-def _prompts(device: str = "cpu"):
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(1, 50, (3, 6), generator=g)
-    mask = torch.ones(3, 6, dtype=torch.long)
-    mask[0, :2] = 0
-    mask[2, :1] = 0
-    return (ids * mask).to(device), mask.to(device)
+# initializer_range 0.3: well-separated logits, kernels that differ in rounding agree
+MODEL = dict(head_dim=8, initializer_range=0.3, train=False)
+PROMPTS = dict(seed=3, shape=(3, 6), vocab=(1, 50), pads={0: 2, 2: 1})
 
 
 def _both(m, dec, ids, mask, sample: bool, eos: int, n: int = 10):
@@ -42,8 +32,8 @@ def _both(m, dec, ids, mask, sample: bool, eos: int, n: int = 10):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_static_cache_matches_generate_greedy_and_sampled(model_type):
-    m = _model(model_type)
-    ids, mask = _prompts()
+    m = tiny_causal_lm(model_type, **MODEL)
+    ids, mask = left_padded_prompts(**PROMPTS)
     dec = StaticCacheDecoder(m, max_seq_len=20, use_cuda_graph=False)
     for sample in (False, True):
         a, b = _both(m, dec, ids, mask, sample, eos=-1)
@@ -52,8 +42,8 @@ def test_static_cache_matches_generate_greedy_and_sampled(model_type):
 
 
 def test_prefill_and_decode_logits_match_hf_forward():
-    m = _model("qwen2")
-    ids, mask = _prompts()
+    m = tiny_causal_lm("qwen2", **MODEL)
+    ids, mask = left_padded_prompts(**PROMPTS)
     dec = StaticCacheDecoder(m, max_seq_len=12, use_cuda_graph=False)
     out = [dec.prefill(ids, mask)]
     pos = (mask.cumsum(-1) - 1)[:, -1] + 1
@@ -69,8 +59,8 @@ def test_prefill_and_decode_logits_match_hf_forward():
 
 
 def test_eos_stop_and_padding_match_generate():
-    m = _model("llama")
-    ids, mask = _prompts()
+    m = tiny_causal_lm("llama", **MODEL)
+    ids, mask = left_padded_prompts(**PROMPTS)
     dec = StaticCacheDecoder(m, max_seq_len=20, use_cuda_graph=False)
     free, _ = _both(m, dec, ids, mask, False, eos=-1)
     # make EOS the token row 0 emits at step 2: row 0 stops early, others continue
@@ -102,15 +92,15 @@ def test_eos_stop_and_padding_match_generate():
 
 
 def test_errors_are_clear():
-    m = _model("llama")
-    ids, mask = _prompts()
+    m = tiny_causal_lm("llama", **MODEL)
+    ids, mask = left_padded_prompts(**PROMPTS)
     dec = StaticCacheDecoder(m, max_seq_len=8, use_cuda_graph=False)
     with pytest.raises(ValueError, match="max_seq_len"):
         dec.generate(ids, mask, max_new_tokens=5, eos_token_id=1, pad_token_id=0)
     with pytest.raises(ValueError, match="prompt_len"):
         dec.generate(ids, mask[:, 1:], max_new_tokens=1, eos_token_id=1, pad_token_id=0)
     with pytest.raises(ValueError, match="use_cuda_graph=false"):
-        StaticCacheDecoder(_model("qwen3"), max_seq_len=8, use_cuda_graph=False)
+        StaticCacheDecoder(tiny_causal_lm("qwen3", **MODEL), max_seq_len=8, use_cuda_graph=False)
     if not CUDA:
         with pytest.raises(RuntimeError, match="needs CUDA"):
             StaticCacheDecoder(m, max_seq_len=8, use_cuda_graph=True)
@@ -118,8 +108,8 @@ def test_errors_are_clear():
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_matches_eager_static_and_generate():
-    m = _model("qwen2", "cuda")
-    ids, mask = _prompts("cuda")
+    m = tiny_causal_lm("qwen2", **MODEL).to("cuda")
+    ids, mask = left_padded_prompts(**PROMPTS, device="cuda")
     eager = StaticCacheDecoder(m, max_seq_len=20, use_cuda_graph=False)
     graph = StaticCacheDecoder(m, max_seq_len=20, use_cuda_graph=True)
     for sample in (False, True):
@@ -132,8 +122,8 @@ def test_cuda_graph_matches_eager_static_and_generate():
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_recaptures_when_parameters_move():
-    m = _model("llama", "cuda")
-    ids, mask = _prompts("cuda")
+    m = tiny_causal_lm("llama", **MODEL).to("cuda")
+    ids, mask = left_padded_prompts(**PROMPTS, device="cuda")
     graph = StaticCacheDecoder(m, max_seq_len=20, use_cuda_graph=True)
     kw = dict(max_new_tokens=6, eos_token_id=-1, pad_token_id=0, do_sample=False)
     graph.generate(ids, mask, **kw)
@@ -144,10 +134,12 @@ def test_cuda_graph_recaptures_when_parameters_move():
 
 
 def test_decoder_for_reuses_until_it_outgrows():
-    m = _model("llama")
+    m = tiny_causal_lm("llama", **MODEL)
     d1 = decoder_for(None, m, prompt_len=6, max_new_tokens=10, use_cuda_graph=False)
     assert d1.max_seq_len == 64
     assert decoder_for(d1, m, 40, 24, False) is d1
     d2 = decoder_for(d1, m, 40, 25, False)
     assert d2 is not d1 and d2.max_seq_len == 128
-    assert decoder_for(d2, _model("llama"), 6, 10, False) is not d2  # another model
+    assert (
+        decoder_for(d2, tiny_causal_lm("llama", **MODEL), 6, 10, False) is not d2
+    )  # another model

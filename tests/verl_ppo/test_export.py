@@ -4,7 +4,7 @@ exactly (tiny model, CPU, fp32), from a live engine (ZeRO-0 and ZeRO-3) and from
 import pytest
 import torch
 
-from tests.verl_ppo._models import tiny_causal_lm
+from tests._models import tiny_causal_lm
 from tests.verl_ppo._run import last_json, run_job, run_python
 from verl_ppo.export import (
     ExportError,

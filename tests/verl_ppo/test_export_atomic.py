@@ -8,7 +8,7 @@ import stat
 import pytest
 import torch
 
-from tests.verl_ppo._models import tiny_causal_lm
+from tests._models import tiny_causal_lm
 from verl_ppo.export import ExportError, export_checkpoint, main, save_model_meta
 
 

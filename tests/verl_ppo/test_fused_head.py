@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.verl_ppo._models import tiny_causal_lm
+from tests._models import tiny_causal_lm
 from verl_ppo.algorithms.losses import entropy_from_logits
 from verl_ppo.packing import packed_log_probs
 from verl_ppo.roles.common import sequence_log_probs
@@ -62,10 +62,6 @@ def test_chunked_head_non_contiguous_hidden_and_no_entropy():
         chunked_head_log_probs(h, w[:, :5], t)
 
 
-def _model(kind: str = "qwen2", tied: bool = True, dtype=torch.float32, device="cpu"):
-    return tiny_causal_lm(kind, vocab_size=97, tie_word_embeddings=tied).to(device, dtype)
-
-
 def _batch(device="cpu"):
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 97, (3, 11), generator=g)
@@ -83,7 +79,7 @@ def test_sequence_log_probs_fused_matches_plain_with_grads(packing, tied):
     fn = packed_log_probs if packing else sequence_log_probs
     res = []
     for fused in (False, True):
-        m = _model(tied=tied)
+        m = tiny_causal_lm("qwen2", vocab_size=97, tie_word_embeddings=tied)
         assert head_weight(m) is not None and fused_head_unsupported(m) is None
         logp, ent = fn(m, ids, mask, 5, 0.8, with_entropy=True, fused=fused)
         loss = (logp * valid).sum() + 0.3 * (ent * valid).sum()

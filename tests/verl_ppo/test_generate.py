@@ -1,27 +1,15 @@
 """The KV-cache sampler matches HF greedy decoding and masks correctly."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests._models import tiny_causal_lm
 from verl_ppo.rollout.generate import filter_logits, generate, response_mask_from
 
-
-def _tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(cfg).eval()
+MODEL = dict(model_type="llama", vocab_size=64, max_position_embeddings=64, train=False)
 
 
 def test_greedy_matches_hf_generate_with_left_padding():
-    m = _tiny()
+    m = tiny_causal_lm(**MODEL)
     ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     ours = generate(
@@ -40,7 +28,7 @@ def test_greedy_matches_hf_generate_with_left_padding():
 
 
 def test_left_padding_does_not_change_the_response():
-    m = _tiny()
+    m = tiny_causal_lm(**MODEL)
     a = generate(
         m,
         torch.tensor([[5, 6, 7]]),
@@ -63,7 +51,7 @@ def test_left_padding_does_not_change_the_response():
 
 
 def test_sampling_is_reproducible_with_a_generator():
-    m = _tiny()
+    m = tiny_causal_lm(**MODEL)
     ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
     kw = dict(max_new_tokens=8, eos_token_id=63, pad_token_id=0, do_sample=True)
     a = generate(m, ids, mask, generator=torch.Generator().manual_seed(3), **kw)

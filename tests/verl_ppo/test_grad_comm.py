@@ -16,20 +16,15 @@ shared-memory op, ~25 s).
 
 from __future__ import annotations
 
-import datetime
 import gc
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-from verl_comm.distributed.launch import free_port
+from tests._models import mlp
+from verl_comm.distributed.launch import spawn
 
-HERE = Path(__file__).resolve()
 GAS = 2
 STEPS = 3
 LR = 1e-2
@@ -37,18 +32,13 @@ INT8_REL_BOUND = 0.02
 TIMEOUT_S = 120.0  # deadline of one gradient reduction (the trainer passes comm.timeout_s)
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-        torch.nn.Linear(32, 4),
-    )  # fmt: skip
+WIDTHS = (8, 32, 32, 4)  # the model: mlp(*WIDTHS, activation=Tanh)
 
 
 def _engine(stage: int, bf16: bool = False, fp32_accum: bool = False):
     import deepspeed
 
-    model = _model()
+    model = mlp(*WIDTHS, activation=torch.nn.Tanh)
     cfg = {
         "bf16": {"enabled": bf16},
         "data_types": {"grad_accum_dtype": "fp32" if fp32_accum else None},
@@ -137,60 +127,23 @@ def _refusals() -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def _worker(rank: int, world: int) -> dict:
+    """Every scenario on one rank, in the gloo group (120 s timeout) that ``spawn`` made."""
     warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-    )
     out = {}
-    try:
-        for stage in (0, 1):
-            for mode in ("native", "exact", "int8"):
-                out[f"z{stage}_{mode}"] = _train(rank, stage, mode)
-        for stage in (0, 1):
-            for mode in ("native", "exact"):
-                out[f"z{stage}bf16_{mode}"] = _train(rank, stage, mode, bf16=True)
-        out["refusals"] = _refusals()
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
+    for stage in (0, 1):
+        for mode in ("native", "exact", "int8"):
+            out[f"z{stage}_{mode}"] = _train(rank, stage, mode)
+    for stage in (0, 1):
+        for mode in ("native", "exact"):
+            out[f"z{stage}bf16_{mode}"] = _train(rank, stage, mode, bf16=True)
+    out["refusals"] = _refusals()
+    return out
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("grad_comm")
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE), str(r), "2", str(port), str(out_dir)],
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=400)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+def results():
+    return spawn(_worker, 2, timeout_s=120, deadline_s=400, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.timeout(450)
@@ -209,7 +162,9 @@ def test_exact_hook_matches_native_deepspeed(results, stage):
 
 
 def _initial_params() -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in _model().parameters()])
+    return torch.cat(
+        [p.detach().flatten() for p in mlp(*WIDTHS, activation=torch.nn.Tanh).parameters()]
+    )
 
 
 @pytest.mark.timeout(450)
@@ -251,7 +206,3 @@ def test_refusals_and_none(results):
         assert msg is not None and "BF16_Optimizer" in msg and "grad_accum_dtype" in msg
         assert out["refusals"]["none_active"] is False
         assert out["refusals"]["none_allreduce"] is True
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

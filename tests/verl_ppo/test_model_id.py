@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests._models import tiny_causal_lm
 from verl_ppo.data.model_store import ModelStoreError, resolve_model_path
 
 REPO = "test-org/tiny-llama"
@@ -10,11 +11,9 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 def _make_cache(hf_home):
     """The hub cache layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/}."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     repo = hf_home / "hub" / "models--test-org--tiny-llama"
     snap = repo / "snapshots" / COMMIT
-    cfg = AutoConfig.for_model(
+    tiny_causal_lm(
         "llama",
         vocab_size=128,
         hidden_size=16,
@@ -22,8 +21,7 @@ def _make_cache(hf_home):
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-    )
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(snap)
+    ).save_pretrained(snap)
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(COMMIT)
     return snap

@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.verl_ppo._models import tiny_causal_lm
+from tests._models import tiny_causal_lm
 from verl_ppo.packing import pack, packed_forward, packed_log_probs, packed_values
 from verl_ppo.roles.common import sequence_log_probs
 from verl_ppo.roles.critic import ValueModel
 
 pytestmark = pytest.mark.timeout(120)
 P, R = 5, 6
-
-
-def _model(model_type: str, attn: str = "sdpa") -> torch.nn.Module:
-    return tiny_causal_lm(model_type, attn=attn).eval()
 
 
 def _batch():
@@ -48,7 +44,7 @@ def test_pack_layout_and_unpack_roundtrip():
     "model_type,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("qwen2", "eager")]
 )
 def test_packed_log_probs_equal_padded(model_type, attn):
-    m = _model(model_type, attn)
+    m = tiny_causal_lm(model_type, attn=attn, train=False)
     ids, mask = _batch()
     ref, ref_ent = sequence_log_probs(m, ids, mask, P, temperature=0.7, with_entropy=True)
     got, ent = packed_log_probs(m, ids, mask, P, temperature=0.7, with_entropy=True)
@@ -61,7 +57,7 @@ def test_packed_log_probs_equal_padded(model_type, attn):
 
 def test_attention_does_not_cross_sequences():
     """Negative control: the same packed row with positions NOT restarting differs."""
-    m = _model("llama")
+    m = tiny_causal_lm("llama", attn="sdpa", train=False)
     ids, mask = _batch()
     pb = pack(ids, mask)
     fn = lambda i, p: m(input_ids=i, position_ids=p, use_cache=False).logits  # noqa: E731
@@ -77,7 +73,7 @@ def test_attention_does_not_cross_sequences():
 
 
 def test_packed_values_and_gradients_equal_padded():
-    policy = _model("qwen2")
+    policy = tiny_causal_lm("qwen2", attn="sdpa", train=False)
     vm = ValueModel(policy.model, 32)
     torch.nn.init.normal_(vm.value_head.weight, std=0.5)
     ids, mask = _batch()
@@ -94,7 +90,7 @@ def test_packed_values_and_gradients_equal_padded():
 
 
 def test_packed_forward_generic_fn_shape():
-    m = _model("llama")
+    m = tiny_causal_lm("llama", attn="sdpa", train=False)
     ids, mask = _batch()
     out = packed_forward(
         lambda i, p: m.model(input_ids=i, position_ids=p, use_cache=False).last_hidden_state,
@@ -105,7 +101,7 @@ def test_packed_forward_generic_fn_shape():
 
 
 def test_bad_input_is_named():
-    m = _model("llama")
+    m = tiny_causal_lm("llama", attn="sdpa", train=False)
     ids, mask = _batch()
     with pytest.raises(ValueError, match="attention_mask"):
         pack(ids, mask[:, :-1])

@@ -79,7 +79,7 @@ def _reward_folder(path: str) -> str:
     Its ``initializer_range`` 0.3 spreads that logit over responses with a standard
     deviation of ~1 (at BERT's default 0.02 the pooled CLS output barely depends on the
     text: std ~2e-5 over random responses)."""
-    from tests.verl_ppo._models import tiny_reward_classifier
+    from tests._models import tiny_reward_classifier
 
     return tiny_reward_classifier(path, 1, initializer_range=0.3)
 

@@ -7,6 +7,7 @@ runs several layout pairs and returns a summary the parent asserts on.
 import torch
 import torch.distributed as dist
 
+from tests._models import left_padded_prompts
 from verl_comm.distributed import DistContext
 from verl_comm.distributed.launch import spawn
 from verl_comm.telemetry import CommRecorder
@@ -86,12 +87,7 @@ def _hf_greedy(cfg, full, ids, mask, steps):
     return out
 
 
-def _prompts(seed, b=3, p=6):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 64, (b, p), generator=g)
-    mask = torch.ones_like(ids)
-    ids[0, :2], mask[0, :2] = 2, 0  # left padding
-    return ids, mask
+PROMPTS = dict(vocab=(3, 64), pads={0: 2}, pad_id=2)  # row 0 left-padded
 
 
 def worker_4(rank, world):
@@ -104,7 +100,9 @@ def worker_4(rank, world):
     # TP4 greedy decoding on the resharded weights (GQA KV heads replicated, tied, biases)
     lay = eng.rollout_layout
     tp = TPGroup(None, 4, lay.coords(rank)[2], lay.tp_group(rank))
-    ids, mask = _prompts(rank)  # each rank its own prompts: the TP group gathers them
+    ids, mask = left_padded_prompts(
+        rank, (3, 6), **PROMPTS
+    )  # each rank its own prompts: the TP group gathers them
     got = tp_generate(
         TPCausalLM(tiny_config("qwen2"), out, tp),
         ids,

@@ -64,7 +64,7 @@ def test_missing_answer_is_a_clear_error(minilm):
 
 
 def test_sequence_classification_folder(tmp_path):
-    from tests.verl_ppo._models import tiny_reward_classifier
+    from tests._models import tiny_reward_classifier
 
     tiny_reward_classifier(tmp_path, 2)
     rm = ModelReward(tmp_path, max_length=32, batch_size=2)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.verl_ppo._models import tiny_causal_lm
+from tests._models import left_padded_prompts, tiny_causal_lm
 from verl_ppo.roles.common import sequence_log_probs
 from verl_ppo.rollout.cuda_graph import StaticCacheDecoder, tp_model_of
 from verl_ppo.rollout.generate import HFGenerator
@@ -17,19 +17,9 @@ from verl_ppo.rollout.tp_generate import TPRolloutModel
 CUDA = torch.cuda.is_available()
 
 
-def _model(device="cpu", dtype=torch.float32):
-    # initializer_range 0.3: well-separated logits, kernels that differ in rounding agree
-    m = tiny_causal_lm("qwen2", vocab_size=61, initializer_range=0.3)
-    return m.to(device, dtype).eval()
-
-
-def _prompts(device="cpu"):
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(1, 61, (4, 7), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    mask[3, :1] = 0
-    return (ids * mask).to(device), mask.to(device)
+# initializer_range 0.3: well-separated logits, kernels that differ in rounding agree
+MODEL = dict(model_type="qwen2", vocab_size=61, initializer_range=0.3, train=False)
+PROMPTS = dict(seed=4, shape=(4, 7), vocab=(1, 61), pads={0: 3, 3: 1})
 
 
 def _paths(m, graph: bool):
@@ -75,8 +65,8 @@ def test_sample_next_same_seed_same_logits_same_tokens():
     "params", [SamplingParams(False), SamplingParams(True, 1.0), SamplingParams(True, 0.8, 20, 0.9)]
 )
 def test_all_paths_same_tokens_and_log_probs_cpu(params):
-    m = _model()
-    ids, mask = _prompts()
+    m = tiny_causal_lm(**MODEL)
+    ids, mask = left_padded_prompts(**PROMPTS)
     outs = _run(_paths(m, graph=False), ids, mask, params, seed=3, dev="cpu")
     ref = outs["hf_eager"]
     for name, o in outs.items():
@@ -89,8 +79,8 @@ def test_all_paths_same_tokens_and_log_probs_cpu(params):
 
 
 def test_eos_stops_every_path_alike():
-    m = _model()
-    ids, mask = _prompts()
+    m = tiny_causal_lm(**MODEL)
+    ids, mask = left_padded_prompts(**PROMPTS)
     free = _run(_paths(m, False), ids, mask, SamplingParams(False), 0, "cpu")["hf_eager"]
     eos = int(free.sequences[1, 7 + 2])
     outs = _run(_paths(m, False), ids, mask, SamplingParams(False), 0, "cpu", eos=eos)
@@ -105,8 +95,8 @@ def test_eos_stops_every_path_alike():
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_all_paths_same_tokens_on_gpu_graph_included(dtype):
-    m = _model("cuda", dtype)
-    ids, mask = _prompts("cuda")
+    m = tiny_causal_lm(**MODEL).to("cuda", dtype)
+    ids, mask = left_padded_prompts(**PROMPTS, device="cuda")
     paths = _paths(m, graph=True)
     paths["tp1_graph"] = None
     for params in (SamplingParams(False), SamplingParams(True, 0.9, 0, 0.95)):

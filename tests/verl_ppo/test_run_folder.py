@@ -71,11 +71,11 @@ def test_rotation_keeps_the_newest(tmp_path):
 
 
 def test_metrics_writer_never_holds_two_rows_of_a_step(tmp_path):
-    w = MetricsWriter(tmp_path, enabled=True)
+    w = MetricsWriter(tmp_path)
     w.write({"step": 0, "eval/reward": 0.1})
     w.write({"step": 1, "reward/mean": 0.5})
     w.write({"step": 1, "reward/mean": 0.7})  # a step repeated after a resume
-    w2 = MetricsWriter(tmp_path, enabled=True)  # a restarted job
+    w2 = MetricsWriter(tmp_path)  # a restarted job
     w2.write({"step": 0, "eval/reward": 0.2})
     w2.write({"step": 2, "reward/mean": 0.9})
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
+from tests._models import causal_lm, left_padded_prompts
 from verl_comm.distributed.launch import spawn
 from verl_ppo.reshard.config import HybridEngineConfig
 from verl_ppo.reshard.layout import ParallelLayout
@@ -14,25 +14,14 @@ from verl_ppo.rollout.tp_model import TPCausalLM, TPGroup
 GEN = dict(do_sample=False, eos_token_id=1, pad_token_id=2)
 
 
-def _model(kind, seed=0):
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
-
-
-def _prompts(seed, b=3, p=7):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 64, (b, p), generator=g)
-    mask = torch.ones_like(ids)
-    ids[0, :3], mask[0, :3] = 2, 0
-    ids[1, :1], mask[1, :1] = 2, 0
-    return ids, mask
+PROMPTS = dict(vocab=(3, 64), pads={0: 3, 1: 1}, pad_id=2)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 def test_tp1_greedy_matches_hf(kind):
-    model = _model(kind)
+    model = causal_lm(tiny_config(kind), train=False)
     weights = {n: p.detach() for n, p in model.named_parameters()}
-    ids, mask = _prompts(1)
+    ids, mask = left_padded_prompts(1, (3, 7), **PROMPTS)
     got = tp_generate(TPCausalLM(model.config, weights, TPGroup.single()), ids, mask, 10, **GEN)
     assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=10, **GEN))
 
@@ -51,14 +40,16 @@ def worker_hybrid(rank, world):
 
     res = {}
     for kind, training in (("qwen2", {}), ("gpt2", {"pipeline_parallel_size": 2})):
-        model = _model(kind)
+        model = causal_lm(tiny_config(kind), train=False)
         cfg = HybridEngineConfig(
             enable=True, rollout_sharding={"tensor_parallel_size": 2}, training_sharding=training
         )
         train = ParallelLayout(pp=training.get("pipeline_parallel_size", 1))
         train = ParallelLayout(train.pp, world // train.pp)
         hybrid = HybridEngine.build(model.config, cfg, train)
-        ids, mask = _prompts(10 + rank, b=2 + rank, p=6 + rank)  # ranks differ in B and P
+        ids, mask = left_padded_prompts(
+            10 + rank, (2 + rank, 6 + rank), **PROMPTS
+        )  # ranks differ in B and P
         # a full model holds every stage's tensors: the engine reads this rank's stage
         with hybrid.rollout(dict(model.named_parameters())) as rm:
             m_in = mask if kind == "qwen2" else mask.bool()  # int or bool masks
@@ -113,7 +104,7 @@ def _zero3_deepspeed(rank, world):
     from verl_ppo.strategy import data_parallel_layout
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    model = _model("qwen2", seed=3)
+    model = causal_lm(tiny_config("qwen2"), seed=3, train=False)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ds_cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
@@ -121,7 +112,7 @@ def _zero3_deepspeed(rank, world):
     partitioned = all(p.numel() == 0 for p in engine.module.parameters())
     cfg = HybridEngineConfig(enable=True, rollout_sharding={"tensor_parallel_size": 2})
     hybrid = HybridEngine.build(ref.config, cfg, data_parallel_layout(engine))  # ZeRO-3 from DS
-    ids, mask = _prompts(20 + rank)
+    ids, mask = left_padded_prompts(20 + rank, (3, 7), **PROMPTS)
     with hybrid.rollout(named_parameters(engine)) as rm:
         got = rm.generate(ids, mask, max_new_tokens=6, **GEN)
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
@@ -162,7 +153,7 @@ def test_single_rank_reshard_aliases_training_weights():
     from verl_ppo.reshard.engine import ReshardEngine
     from verl_ppo.reshard.layout import ParallelLayout
 
-    model = _model("llama")
+    model = causal_lm(tiny_config("llama"), train=False)
     weights = {n: p.detach() for n, p in model.named_parameters()}
     for alias in (True, False):
         eng = ReshardEngine(model.config, ParallelLayout(), ParallelLayout(), alias=alias)
@@ -173,6 +164,6 @@ def test_single_rank_reshard_aliases_training_weights():
         s = eng.last_stats
         assert s.bytes_received == 0 and s.buckets == 0
         assert s.peak_extra_bytes == (0 if alias else s.rollout_bytes)
-    ids, mask = _prompts(5)
+    ids, mask = left_padded_prompts(5, (3, 7), **PROMPTS)
     got = tp_generate(TPCausalLM(model.config, out, TPGroup.single()), ids, mask, 6, **GEN)
     assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN))

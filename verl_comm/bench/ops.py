@@ -170,6 +170,87 @@ class Case:
     reset: Callable[[], None] | None = None
 
 
+def _check_method(
+    collective: str, method: str, dtype: torch.dtype, int8: Int8AllReduce | None
+) -> None:
+    """Raise :class:`Unsupported` (or ValueError for an unknown method) for a method that
+    cannot run this collective and dtype."""
+    if method == "bare":
+        raise Unsupported("'bare' is timed by time_bare_all_reduce, not through a Case")
+    if method == "int8":
+        if collective != "all_reduce":
+            raise Unsupported("int8 is an all_reduce method")
+        if not dtype.is_floating_point:
+            raise Unsupported("int8 quantizes floating-point payloads; use -d float32")
+        if int8 is None or not int8.available:
+            reason = int8.reason if int8 is not None else "no int8 implementation given"
+            raise Unsupported(f"int8 all-reduce unavailable: {reason}")
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+
+
+def _payload_buffers(
+    collective: str,
+    inplace: bool,
+    count: int,
+    lo: int,
+    c: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inp, out)``: the payload buffers (the user's view) in ``dtype``; ``count``
+    elements in all, this rank's chunk ``[lo, lo + c)``."""
+    if collective == "all_reduce":
+        out = torch.empty(count, dtype=dtype, device=device)
+        return (out if inplace else torch.empty(count, dtype=dtype, device=device)), out
+    if collective in ("reduce_scatter", "all_gather"):
+        # the full buffer and this rank's chunk (in place: the chunk is a view of it)
+        full = torch.empty(count, dtype=dtype, device=device)
+        part = full[lo : lo + c] if inplace else torch.empty(c, dtype=dtype, device=device)
+        return (full, part) if collective == "reduce_scatter" else (part, full)
+    if collective == "all_to_all":
+        if inplace:
+            raise Unsupported("all_to_all_single needs distinct input and output buffers")
+        return (
+            torch.empty(count, dtype=dtype, device=device),
+            torch.empty(count, dtype=dtype, device=device),
+        )
+    if collective == "broadcast":
+        if not inplace:
+            raise Unsupported("torch.distributed.broadcast is in-place only")
+        out = torch.empty(count, dtype=dtype, device=device)
+        return out, out
+    raise ValueError(f"--op: unknown collective {collective!r}")
+
+
+def _wire_buffers(
+    collective: str,
+    inplace: bool,
+    count: int,
+    lo: int,
+    c: int,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    wire: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w_in, w_out)``: the buffers the collective runs on: the payload itself, or
+    copies in the ``wire`` dtype (bf16 for nccl_bf16)."""
+    if wire == inp.dtype:
+        return inp, out
+    device = out.device
+    w_out = torch.empty(out.numel(), dtype=wire, device=device)
+    if collective == "all_reduce":
+        return w_out, w_out  # the cast into the wire buffer is the out-of-place copy
+    if not inplace:
+        return torch.empty(inp.numel(), dtype=wire, device=device), w_out
+    if collective == "reduce_scatter":
+        w_in = torch.empty(count, dtype=wire, device=device)
+        return w_in, w_in[lo : lo + c]
+    if collective == "all_gather":
+        return w_out[lo : lo + c], w_out
+    return w_out, w_out
+
+
 def build_case(
     collective: str,
     method: str,
@@ -190,69 +271,14 @@ def build_case(
     world = dist.get_world_size(group)
     esize = torch.empty((), dtype=dtype).element_size()
     c = count // world
-    if method == "bare":
-        raise Unsupported("'bare' is timed by time_bare_all_reduce, not through a Case")
-    if method == "int8":
-        if collective != "all_reduce":
-            raise Unsupported("int8 is an all_reduce method")
-        if not dtype.is_floating_point:
-            raise Unsupported("int8 quantizes floating-point payloads; use -d float32")
-        if int8 is None or not int8.available:
-            reason = int8.reason if int8 is not None else "no int8 implementation given"
-            raise Unsupported(f"int8 all-reduce unavailable: {reason}")
-    if method not in METHODS:
-        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    _check_method(collective, method, dtype, int8)
 
     wire = torch.bfloat16 if method == "nccl_bf16" else dtype
     tol = int8_tolerance(world) if method == "int8" else 0.0
     src = dist.get_global_rank(group, 0) if group is not None else 0
 
-    # Payload buffers (the user's view) in `dtype`.
-    if collective == "all_reduce":
-        out = torch.empty(count, dtype=dtype, device=device)
-        inp = out if inplace else torch.empty(count, dtype=dtype, device=device)
-    elif collective == "reduce_scatter":
-        inp = torch.empty(count, dtype=dtype, device=device)
-        out = (
-            inp[rank * c : (rank + 1) * c]
-            if inplace
-            else torch.empty(c, dtype=dtype, device=device)
-        )
-    elif collective == "all_gather":
-        out = torch.empty(count, dtype=dtype, device=device)
-        inp = (
-            out[rank * c : (rank + 1) * c]
-            if inplace
-            else torch.empty(c, dtype=dtype, device=device)
-        )
-    elif collective == "all_to_all":
-        if inplace:
-            raise Unsupported("all_to_all_single needs distinct input and output buffers")
-        inp = torch.empty(count, dtype=dtype, device=device)
-        out = torch.empty(count, dtype=dtype, device=device)
-    elif collective == "broadcast":
-        if not inplace:
-            raise Unsupported("torch.distributed.broadcast is in-place only")
-        out = inp = torch.empty(count, dtype=dtype, device=device)
-    else:
-        raise ValueError(f"--op: unknown collective {collective!r}")
-
-    # Wire buffers: the payload itself, or bf16 copies for nccl_bf16.
-    if wire == dtype:
-        w_in, w_out = inp, out
-    else:
-        w_out = torch.empty(out.numel(), dtype=wire, device=device)
-        if collective == "all_reduce":
-            w_in = w_out  # the cast into the wire buffer is the out-of-place copy
-        elif not inplace:
-            w_in = torch.empty(inp.numel(), dtype=wire, device=device)
-        elif collective == "reduce_scatter":
-            w_in = torch.empty(count, dtype=wire, device=device)
-            w_out = w_in[rank * c : (rank + 1) * c]
-        elif collective == "all_gather":
-            w_in = w_out[rank * c : (rank + 1) * c]
-        else:
-            w_in = w_out
+    inp, out = _payload_buffers(collective, inplace, count, rank * c, c, dtype, device)
+    w_in, w_out = _wire_buffers(collective, inplace, count, rank * c, c, inp, out, wire)
 
     def collective_call() -> None:
         if collective == "all_reduce":

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from verl_comm.bench.report import measurements
-from verl_comm.extras import require
+from verl_comm.extras import pyplot, save_figure
 
 
 def _series(records: Iterable[dict]) -> dict[tuple, dict[int, dict]]:
@@ -46,9 +46,7 @@ def plot_records(records: Iterable[dict], path: str | os.PathLike, title: str = 
     Raises:
         ValueError: when there are no measurement records to plot.
     """
-    matplotlib = require("matplotlib")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     series = _series(records)
     if not series:
@@ -75,9 +73,4 @@ def plot_records(records: Iterable[dict], path: str | os.PathLike, title: str = 
     ax_bw.legend(fontsize=7, loc="upper left")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save_figure(fig, path)

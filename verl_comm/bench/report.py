@@ -158,16 +158,17 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return out
 
 
+_KEY_FIELDS = ("collective", "method", "transport", "bytes", "dtype", "inplace", "world_size")
+"""What makes two measurement records the same case and size."""
+
+
 def _key(r: dict) -> tuple:
-    return (
-        r.get("collective"),
-        r.get("method"),
-        r.get("transport"),
-        r.get("bytes"),
-        r.get("dtype"),
-        bool(r.get("inplace")),
-        r.get("world_size"),
-    )
+    return tuple(bool(r.get(f)) if f == "inplace" else r.get(f) for f in _KEY_FIELDS)
+
+
+def _key_fields(k: tuple, n: int = len(_KEY_FIELDS)) -> dict:
+    """The first ``n`` fields of a :func:`_key` by name."""
+    return dict(zip(_KEY_FIELDS[:n], k[:n]))
 
 
 def measurements(records: Iterable[dict]) -> list[dict]:
@@ -202,12 +203,7 @@ def compare(
     for k in sorted(set(n) & set(o), key=lambda k: tuple(str(x) for x in k[:3]) + (k[3],)):
         change = (n[k] - o[k]) / o[k] if o[k] > 0 else 0.0
         row = {
-            "collective": k[0],
-            "method": k[1],
-            "transport": k[2],
-            "bytes": k[3],
-            "dtype": k[4],
-            "inplace": k[5],
+            **_key_fields(k, 6),
             "old_busbw": o[k],
             "new_busbw": n[k],
             "change": change,
@@ -257,13 +253,7 @@ def stability_summary(records: Iterable[dict]) -> list[dict]:
                 "metric": "stability",
                 "value": float((p50.max() - p50.min()) / np.median(p50)),
                 "unit": "fraction",
-                "collective": k[0],
-                "method": k[1],
-                "transport": k[2],
-                "bytes": k[3],
-                "dtype": k[4],
-                "inplace": k[5],
-                "world_size": k[6],
+                **_key_fields(k),
                 "repeats": len(recs),
                 "p50_us_min": float(p50.min()),
                 "p50_us_median": float(np.median(p50)),

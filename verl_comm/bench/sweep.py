@@ -55,14 +55,6 @@ def parse_size(text: str | int, field: str = "size") -> int:
     return value
 
 
-def format_size(nbytes: int) -> str:
-    """Human form of a byte count with a binary suffix, e.g. ``1048576 -> "1M"``."""
-    for suffix, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= mult and nbytes % mult == 0:
-            return f"{nbytes // mult}{suffix}"
-    return str(nbytes)
-
-
 def size_sweep(minbytes: int, maxbytes: int, factor: float) -> list[int]:
     """Sizes ``minbytes, minbytes*factor, ...`` up to and including ``maxbytes``.
 

@@ -348,6 +348,68 @@ def new_group(ranks: list[int], timeout_s: float, **kwargs) -> dist.ProcessGroup
     return dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
+def _open_store(
+    addr: str, port: int, rank: int, world_size: int, timeout_s: float, is_master: bool, where: str
+) -> dist.Store:
+    """The rendezvous store (rank 0 hosts it unless torchrun's agent does), scoped to this
+    restart attempt.
+
+    Raises:
+        RendezvousError: the store could not be started or reached within ``timeout_s``.
+    """
+    if not is_master:
+        _wait_for_listener(addr, port, timeout_s, rank, where)
+    try:
+        raw = dist.TCPStore(
+            addr,
+            port,
+            world_size,
+            is_master,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except Exception as e:
+        if is_master:
+            msg = f"rank 0 could not start the rendezvous store on {where}: {e}"
+        else:
+            msg = (
+                f"rank {rank} could not reach the rendezvous store at {where} within "
+                f"{timeout_s:g} s: rank 0 is not running, or MASTER_ADDR/MASTER_PORT are "
+                f"wrong or blocked. Backend said: {str(e).strip().splitlines()[0]}"
+            )
+        raise RendezvousError(msg) from e
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"verl_comm/attempt_{attempt}", raw)
+
+
+def _join(
+    store: dist.Store, rank: int, world_size: int, timeout_s: float, is_master: bool, where: str
+) -> None:
+    """Mark this rank as joined and wait until every rank has.
+
+    Raises:
+        RendezvousError: naming how many ranks joined and which are missing.
+    """
+    store.set(f"{_JOIN}/{rank}", "1")
+    keys = [f"{_JOIN}/{r}" for r in range(world_size)]
+    # rank 0 hosts the store: it waits 1 s longer so the others can still ask it who is
+    # missing before it raises and the store goes away.
+    grace = 1.0 if is_master else 0.0
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s + grace))
+    except Exception as e:
+        try:
+            present = [r for r, k in enumerate(keys) if store.check([k])]
+            joined = f"{len(present)}/{world_size} ranks joined"
+            missing = f"missing ranks {sorted(set(range(world_size)) - set(present))}"
+        except Exception:  # the store host is gone already
+            joined, missing = f"not all {world_size} ranks joined", "rank 0's store closed"
+        raise RendezvousError(
+            f"rank {rank}: {joined} the rendezvous at {where} within {timeout_s:g} s "
+            f"({missing}); start all {world_size} processes or fix WORLD_SIZE"
+        ) from e
+
+
 def init_distributed(
     backend: str,
     timeout_s: float,
@@ -392,42 +454,8 @@ def init_distributed(
     # a client, and keys are scoped per restart attempt so a restart never sees old joins.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     is_master = rank == 0 and not agent_store
-    if not is_master:
-        _wait_for_listener(addr, port, timeout_s, rank, where)
-    try:
-        raw = dist.TCPStore(
-            addr, port, world_size, is_master, timeout=timeout, wait_for_workers=False
-        )
-    except Exception as e:
-        if is_master:
-            msg = f"rank 0 could not start the rendezvous store on {where}: {e}"
-        else:
-            msg = (
-                f"rank {rank} could not reach the rendezvous store at {where} within "
-                f"{timeout_s:g} s: rank 0 is not running, or MASTER_ADDR/MASTER_PORT are "
-                f"wrong or blocked. Backend said: {str(e).strip().splitlines()[0]}"
-            )
-        raise RendezvousError(msg) from e
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"verl_comm/attempt_{attempt}", raw)
-    store.set(f"{_JOIN}/{rank}", "1")
-    keys = [f"{_JOIN}/{r}" for r in range(world_size)]
-    # rank 0 hosts the store: it waits 1 s longer so the others can still ask it who is
-    # missing before it raises and the store goes away.
-    grace = 1.0 if is_master else 0.0
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s + grace))
-    except Exception as e:
-        try:
-            present = [r for r, k in enumerate(keys) if store.check([k])]
-            joined = f"{len(present)}/{world_size} ranks joined"
-            missing = f"missing ranks {sorted(set(range(world_size)) - set(present))}"
-        except Exception:  # the store host is gone already
-            joined, missing = f"not all {world_size} ranks joined", "rank 0's store closed"
-        raise RendezvousError(
-            f"rank {rank}: {joined} the rendezvous at {where} within {timeout_s:g} s "
-            f"({missing}); start all {world_size} processes or fix WORLD_SIZE"
-        ) from e
+    store = _open_store(addr, port, rank, world_size, timeout_s, is_master, where)
+    _join(store, rank, world_size, timeout_s, is_master, where)
     device = torch.device("cpu")
     kwargs: dict = {}
     if backend == "nccl":

@@ -227,67 +227,19 @@ def run_ranks(
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     port = master_port or free_port(master_addr)
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    procs: list[subprocess.Popen] = []
     out = LaunchResult()
-    received: list[int] = []
-    previous: dict[int, Any] = {}
-    if forward_signals and threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM):
-            previous[s] = signal.signal(s, lambda signum, _f: received.append(signum))
+    received: list[int] = []  # signals caught while forwarding
+    previous = _catch_signals(received) if forward_signals else {}
+    procs: list[subprocess.Popen] = []
     kill_now = False
     try:
         for r in range(nproc):
-            rank_env = dict(os.environ if base_env is None else base_env)
-            rank_env.setdefault("OMP_NUM_THREADS", str(threads))
-            rank_env.update(env(r) if callable(env) else (env or {}))
-            rank_env.update(
-                RANK=str(r),
-                WORLD_SIZE=str(nproc),
-                LOCAL_RANK=str(r),
-                LOCAL_WORLD_SIZE=str(nproc),
-                MASTER_ADDR=master_addr,
-                MASTER_PORT=str(port),
-            )
             argv = list(command(r) if callable(command) else command)
-            procs.append(
-                subprocess.Popen(
-                    argv,
-                    env=rank_env,
-                    stdout=stdout(r) if stdout else None,
-                    stderr=stderr(r) if stderr else None,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-            )
-        end = None if deadline_s is None else time.monotonic() + deadline_s
-        sig_end = float("inf")
-        ok_codes = (0, *STOP_CODES) if forward_signals else (0,)
-        while True:
-            if received and out.signal is None:
-                out.signal = received[0]
-                _signal_all(procs, out.signal)
-                sig_end = time.monotonic() + stop_timeout_s
-                if on_signal is not None:
-                    on_signal(out.signal)
-            if len(received) > 1 or time.monotonic() > sig_end:
-                out.killed_after_signal = kill_now = True
-                break
-            codes = [p.poll() for p in procs]
-            stopping = [c for c in codes if forward_signals and c in STOP_CODES]
-            if stopping and out.signal is None:  # a rank was signalled directly
-                out.signal, sig_end = stopping[0] - 128, time.monotonic() + stop_timeout_s
-            failed = [r for r, c in enumerate(codes) if c not in (None, *ok_codes)]
-            if failed and out.failed_rank is None:
-                out.failed_rank = failed[0]
-                if stop_on_failure:
-                    break
-            if all(c is not None for c in codes):
-                break
-            if end is not None and time.monotonic() >= end:
-                out.timed_out = True
-                break
-            time.sleep(POLL_S)
+            rank_env = _rank_env(r, nproc, env, base_env, master_addr, port)
+            procs.append(_start(argv, rank_env, stdout(r) if stdout else None,
+                                stderr(r) if stderr else None))  # fmt: skip
+        watch = _Watch(out, received, forward_signals, stop_timeout_s, on_signal)
+        kill_now = watch.run(procs, deadline_s, stop_on_failure)
     except KeyboardInterrupt:
         out.interrupted = True
     finally:
@@ -295,25 +247,130 @@ def run_ranks(
         for s, h in previous.items():
             signal.signal(s, h)
     out.exits = [RankExit(r, int(p.returncode), stopped[r]) for r, p in enumerate(procs)]
-    others = sum(stopped)
-    if out.killed_after_signal:
-        out.message = f"{name}: ranks killed {stop_timeout_s:g} s after signal {out.signal}"
-        if len(received) > 1:
-            out.message = f"{name}: ranks killed at a second signal"
-    elif out.interrupted:
-        out.message = f"{name}: interrupted; all ranks stopped"
-    elif out.failed_rank is not None:
-        r = out.failed_rank
-        out.message = f"{name}: rank {r} {_how(out.exits[r].returncode)}" + (
-            f"; stopped the other {others} rank(s)." if others else "."
-        )
-    elif out.timed_out:
-        out.message = f"{name}: {others} rank(s) still running after {deadline_s:g} s: stopped"
-    elif out.signal is not None:
-        out.message = f"{name}: every rank stopped on signal {out.signal}"
+    out.message = _message(out, name, sum(stopped), len(received), stop_timeout_s, deadline_s)
     if out.message and announce:
         print(out.message, file=sys.stderr)
     return out
+
+
+def _catch_signals(received: list[int]) -> dict[int, Any]:
+    """Append SIGINT/SIGTERM to ``received`` instead of acting on them (main thread only:
+    Python delivers signals there); returns the previous handlers."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            previous[s] = signal.signal(s, lambda signum, _f: received.append(signum))
+    return previous
+
+
+def _start(argv: list[str], env: dict[str, str], stdout: Any, stderr: Any) -> subprocess.Popen:
+    """One rank in its own session, killed by the kernel if the launcher dies."""
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+
+
+def _rank_env(
+    rank: int,
+    nproc: int,
+    env: Mapping[str, str] | Callable[[int], Mapping[str, str]] | None,
+    base_env: Mapping[str, str] | None,
+    master_addr: str,
+    port: int,
+) -> dict[str, str]:
+    """Rank ``rank``'s environment: ``base_env`` (default: this process's), the launcher's
+    ``OMP_NUM_THREADS`` default, ``env``, then torchrun's rank variables."""
+    rank_env = dict(os.environ if base_env is None else base_env)
+    rank_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    rank_env.update(env(rank) if callable(env) else (env or {}))
+    rank_env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(port),
+    )
+    return rank_env
+
+
+@dataclass
+class _Watch:
+    """The supervision loop of :func:`run_ranks`, filling ``out`` as the ranks end."""
+
+    out: LaunchResult
+    received: list[int]
+    forward_signals: bool
+    stop_timeout_s: float
+    on_signal: Callable[[int], None] | None
+
+    def run(
+        self, procs: list[subprocess.Popen], deadline_s: float | None, stop_on_failure: bool
+    ) -> bool:
+        """Poll until every rank ended, one failed (with ``stop_on_failure``), the deadline
+        passed or the signal countdown ran out; returns whether to kill at once."""
+        out, received = self.out, self.received
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        sig_end = float("inf")
+        ok_codes = (0, *STOP_CODES) if self.forward_signals else (0,)
+        while True:
+            if received and out.signal is None:
+                out.signal = received[0]
+                _signal_all(procs, out.signal)
+                sig_end = time.monotonic() + self.stop_timeout_s
+                if self.on_signal is not None:
+                    self.on_signal(out.signal)
+            if len(received) > 1 or time.monotonic() > sig_end:
+                out.killed_after_signal = True
+                return True
+            codes = [p.poll() for p in procs]
+            stopping = [c for c in codes if self.forward_signals and c in STOP_CODES]
+            if stopping and out.signal is None:  # a rank was signalled directly
+                out.signal, sig_end = stopping[0] - 128, time.monotonic() + self.stop_timeout_s
+            failed = [r for r, c in enumerate(codes) if c not in (None, *ok_codes)]
+            if failed and out.failed_rank is None:
+                out.failed_rank = failed[0]
+                if stop_on_failure:
+                    return False
+            if all(c is not None for c in codes):
+                return False
+            if end is not None and time.monotonic() >= end:
+                out.timed_out = True
+                return False
+            time.sleep(POLL_S)
+
+
+def _message(
+    out: LaunchResult,
+    name: str,
+    others: int,
+    signals: int,
+    stop_timeout_s: float,
+    deadline_s: float | None,
+) -> str | None:
+    """The one line describing how the launch failed (None when every rank succeeded);
+    ``others``: ranks the launcher stopped, ``signals``: signals caught."""
+    if out.killed_after_signal:
+        if signals > 1:
+            return f"{name}: ranks killed at a second signal"
+        return f"{name}: ranks killed {stop_timeout_s:g} s after signal {out.signal}"
+    if out.interrupted:
+        return f"{name}: interrupted; all ranks stopped"
+    if out.failed_rank is not None:
+        r = out.failed_rank
+        return f"{name}: rank {r} {_how(out.exits[r].returncode)}" + (
+            f"; stopped the other {others} rank(s)." if others else "."
+        )
+    if out.timed_out:
+        return f"{name}: {others} rank(s) still running after {deadline_s:g} s: stopped"
+    if out.signal is not None:
+        return f"{name}: every rank stopped on signal {out.signal}"
+    return None
 
 
 # ------------------------------------------------------------------ functions on N ranks

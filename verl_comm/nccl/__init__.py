@@ -1,4 +1,6 @@
-"""NCCL environment: variable registry, linter, presets, topology and autotune.
+"""NCCL environment: variable registry, linter, presets and topology (runtime: applied and
+checked before ``init_process_group``). The tools on top live elsewhere: ``verl-comm nccl``
+in :mod:`verl_comm.cli.nccl`, the preset autotune in :mod:`verl_comm.bench.autotune`.
 
 Typical use, before ``init_process_group``::
 

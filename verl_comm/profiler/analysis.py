@@ -225,29 +225,20 @@ def _in_step_overhead(wall: list[dict]) -> dict:
     }
 
 
-def analyze_rank(data: dict) -> dict:
-    """Metrics of one rank's profile dict (see the module docstring)."""
-    steps = data.get("steps", [])
-    windows = [(s["t0"], s["t1"]) for s in steps]
-    step_total = sum(b - a for a, b in windows)
-    top = [p for p in data.get("phases", []) if p.get("depth", 0) == 0]
-    comm_iv, comm_source = _comm_intervals(data)
-    comm_in_steps = [iv.clip(comm_iv, a, b) for a, b in windows]
+def _phase_sums(top: list[dict], step: int) -> dict[str, float]:
+    """Seconds per top-level phase name in ``step``."""
+    ph: dict[str, float] = defaultdict(float)
+    for p in top:
+        if p["step"] == step:
+            ph[p["name"]] += p["t1"] - p["t0"]
+    return dict(ph)
 
-    # per-step breakdown
-    per_step = []
-    for s, (a, b), civ in zip(steps, windows, comm_in_steps):
-        ph = defaultdict(float)
-        for p in top:
-            if p["step"] == s["step"]:
-                ph[p["name"]] += p["t1"] - p["t0"]
-        per_step.append(
-            {"step": s["step"], "time_s": b - a, "phases": dict(ph), "comm_s": iv.total(civ)}
-        )
 
-    # phases
+def _phase_table(records: list[dict], n_steps: int, step_total: float) -> dict[str, dict]:
+    """Per phase name: total and per-step seconds, calls, depth (the shallowest), share of
+    the step time (top-level phases only) and the memory peak / reserved at exit."""
     phases: dict[str, dict] = {}
-    for p in data.get("phases", []):
+    for p in records:
         d = phases.setdefault(
             p["name"], {"total_s": 0.0, "count": 0, "depth": p.get("depth", 0), "mem_peak": None}
         )
@@ -257,10 +248,56 @@ def analyze_rank(data: dict) -> dict:
         if p.get("mem_peak") is not None:
             d["mem_peak"] = max(d["mem_peak"] or 0, p["mem_peak"])
             d["mem_reserved_end"] = max(d.get("mem_reserved_end", 0), p["mem_end"]["reserved"])
-    n_steps = max(len(steps), 1)
     for d in phases.values():
         d["per_step_s"] = d["total_s"] / n_steps
         d["share"] = d["total_s"] / step_total if step_total > 0 and d["depth"] == 0 else None
+    return phases
+
+
+def _torch_comm(events: list[dict], in_steps) -> tuple[dict[str, int], int]:
+    """Counts of torch's communication records by name, and the input bytes of those in the
+    profiled steps (c10d calls left out: they wrap the gloo/NCCL work)."""
+    torch_ops: dict[str, int] = defaultdict(int)
+    torch_bytes = 0
+    for e in events:
+        if e["source"] == "kernel":
+            torch_ops[f"nccl {e['collective']}" if e.get("collective") else "nccl kernel"] += 1
+        else:
+            torch_ops[e["name"]] += 1
+        if e["source"] != "c10d" and in_steps({"start_s": e["t0"]}):
+            torch_bytes += int(e.get("in_bytes", 0))
+    return dict(torch_ops), torch_bytes
+
+
+def _idle(dev: dict, step_total: float) -> dict:
+    """Device idle gaps of :func:`device_summary` as the report shows them."""
+    return {
+        "total_s": dev["idle_total_s"],
+        "share": dev["idle_total_s"] / step_total if step_total > 0 else None,
+        "by_phase_s": dev["idle_by_phase_s"],
+        "largest": dev["largest_gaps"],
+        "kernel_count": dev["kernel_count"],
+        "busy_s": dev["busy_s"],
+        "top_kernels": dev["top_kernels"],
+    }
+
+
+def analyze_rank(data: dict) -> dict:
+    """Metrics of one rank's profile dict (see the module docstring)."""
+    steps = data.get("steps", [])
+    windows = [(s["t0"], s["t1"]) for s in steps]
+    step_total = sum(b - a for a, b in windows)
+    top = [p for p in data.get("phases", []) if p.get("depth", 0) == 0]
+    comm_iv, comm_source = _comm_intervals(data)
+    comm_in_steps = [iv.clip(comm_iv, a, b) for a, b in windows]
+
+    per_step = [
+        {"step": s["step"], "time_s": b - a, "phases": _phase_sums(top, s["step"]),
+         "comm_s": iv.total(civ)}
+        for s, (a, b), civ in zip(steps, windows, comm_in_steps)
+    ]  # fmt: skip
+    n_steps = max(len(steps), 1)
+    phases = _phase_table(data.get("phases", []), n_steps, step_total)
     top_share = sum(d["share"] or 0.0 for d in phases.values())
 
     # communication
@@ -289,28 +326,8 @@ def analyze_rank(data: dict) -> dict:
         d["count"] += 1
         d["bytes"] += int(r["nbytes"])
         d["time_s"] += float(r["duration_s"])
-    torch_ops: dict[str, int] = defaultdict(int)
-    torch_bytes = 0
-    for e in data.get("torch_comm", []):
-        if e["source"] == "kernel":
-            torch_ops[f"nccl {e['collective']}" if e.get("collective") else "nccl kernel"] += 1
-        else:
-            torch_ops[e["name"]] += 1
-        if e["source"] != "c10d" and in_steps({"start_s": e["t0"]}):
-            torch_bytes += int(e.get("in_bytes", 0))  # c10d ops wrap the gloo/NCCL work
-
-    # device idle gaps
-    idle = None
-    if dev:
-        idle = {
-            "total_s": dev["idle_total_s"],
-            "share": dev["idle_total_s"] / step_total if step_total > 0 else None,
-            "by_phase_s": dev["idle_by_phase_s"],
-            "largest": dev["largest_gaps"],
-            "kernel_count": dev["kernel_count"],
-            "busy_s": dev["busy_s"],
-            "top_kernels": dev["top_kernels"],
-        }
+    torch_ops, torch_bytes = _torch_comm(data.get("torch_comm", []), in_steps)
+    idle = _idle(dev, step_total) if dev else None
 
     # rollout, reshard, host phases
     rollouts = [r["latency_s"] for r in data.get("rollouts", [])]
@@ -347,7 +364,7 @@ def analyze_rank(data: dict) -> dict:
             # input message bytes of torch's collectives in the profiled steps (ours and
             # DeepSpeed's alike): NCCL kernels' args on GPU, gloo work events' shapes on CPU
             "torch_input_bytes": torch_bytes,
-            "torch_ops": dict(torch_ops),
+            "torch_ops": torch_ops,
         },
         "gpu_idle": idle,
         "host_share": host / step_total if step_total > 0 else None,

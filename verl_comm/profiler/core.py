@@ -4,13 +4,16 @@ Built on ``torch.profiler`` (CPU and, when present, CUDA activities). What it re
 rank, in the ``time.perf_counter`` timebase (seconds):
 
 - steps: one window per ``step()`` call (from ``start()`` or the previous ``step()``);
-- phases: ``with prof.phase("gen"): ...`` ranges (also ``record_function("phase::gen")``
-  in the Chrome trace), with memory at entry/exit and the phase's peak; on CUDA the
-  device is synchronised at phase boundaries so that phase times include device work;
+- phases: ``with prof.phase("gen"): ...`` ranges, or the phases of a
+  :class:`~verl_comm.profiler.phases.PhaseTimer` given this profiler (also
+  ``record_function("phase::gen")`` in the Chrome trace), with memory at entry/exit and the
+  phase's peak; on CUDA the device is synchronised at phase boundaries so that phase times
+  include device work (:mod:`~verl_comm.profiler.phases` times and records them);
 - communication: the records of :attr:`VerlProfiler.recorder` (a
   :class:`~verl_comm.telemetry.CommRecorder` the trainer hands to the comm hooks, the
   reducer and the resharding executor) plus torch's own records from the profiler:
-  ``gloo:*`` work events on CPU and NCCL kernels on CUDA;
+  ``gloo:*`` work events on CPU and NCCL kernels on CUDA
+  (:mod:`~verl_comm.profiler.torch_events`);
 - device kernels (CUDA) for exposed communication and idle gaps; rollout latencies;
 - the profiler's own bookkeeping time (reported as overhead).
 
@@ -27,7 +30,6 @@ no-op context manager and ``step()`` only counts: no timing, no allocation, no s
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -39,58 +41,11 @@ from typing import Any
 
 import torch
 
-from verl_comm.telemetry import CommRecorder
+from verl_comm.profiler.phases import NULL_PHASE, Phase
+from verl_comm.profiler.torch_events import ANCHOR, torch_events
+from verl_comm.telemetry import CommRecorder, rss_bytes
 
 FORMAT_VERSION = 1
-ANCHOR = "verl_profiler::anchor"
-
-
-class _NullPhase(AbstractContextManager):
-    """The shared no-op phase of a disabled profiler."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL_PHASE = _NullPhase()
-
-
-def _rss_bytes() -> int:
-    """Resident set size of this process in bytes (Linux ``/proc``; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-# Element sizes of the dtype names torch's profiler writes in NCCL kernel args.
-_DTYPE_BYTES = {
-    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Char": 1, "Byte": 1,
-    "Int": 4, "Long": 8, "Short": 2, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
-}  # fmt: skip
-# ... and the C++ type names of its "Input type" (``record_shapes``) on gloo work events.
-_CTYPE_BYTES = {
-    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "signed char": 1,
-    "unsigned char": 1, "int": 4, "long int": 8, "short int": 2, "bool": 1,
-    "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
-}  # fmt: skip
-
-
-def _gloo_input_bytes(args: dict) -> dict:
-    """``in_bytes`` of a gloo work event (first input's shape times its element size)
-    from ``Input Dims`` / ``Input type``, present when torch.profiler records shapes."""
-    try:
-        dims, ctype = args["Input Dims"][0], args["Input type"][0]
-        size = _CTYPE_BYTES[str(ctype)]
-        return {"in_bytes": int(math.prod(int(d) for d in dims)) * size}
-    except (KeyError, IndexError, TypeError, ValueError):
-        return {}
 
 
 def check_output_dir(path: str | os.PathLike) -> str | None:
@@ -107,79 +62,6 @@ def check_output_dir(path: str | os.PathLike) -> str | None:
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         return f"{p} cannot be created: {parent} is not a writable folder"
     return None
-
-
-def _collective_args(args: dict) -> dict:
-    """``collective``, ``group_size`` and ``in_bytes`` (input message bytes) of an NCCL
-    kernel event from the args torch's profiler attaches (``Collective name``, ``In msg
-    nelems``, ``dtype``, ``Group size``); keys whose source is absent are left out."""
-    out: dict = {}
-    if "Collective name" in args:
-        out["collective"] = str(args["Collective name"])
-    if "Group size" in args:
-        try:
-            out["group_size"] = int(args["Group size"])
-        except (TypeError, ValueError):
-            pass
-    size = _DTYPE_BYTES.get(str(args.get("dtype", "")))
-    try:
-        nelems = int(args["In msg nelems"])
-    except (KeyError, TypeError, ValueError):
-        nelems = None
-    if size is not None and nelems is not None:
-        out["in_bytes"] = nelems * size
-    return out
-
-
-class _Phase(AbstractContextManager):
-    """An active phase range (see :meth:`VerlProfiler.phase`)."""
-
-    def __init__(self, prof: VerlProfiler, name: str) -> None:
-        self.prof, self.name = prof, name
-        self._rf: Any = None
-
-    def __enter__(self) -> _Phase:
-        p = self.prof
-        t_in = time.perf_counter()
-        if p._cuda_sync:
-            torch.cuda.synchronize()
-        self.depth = len(p._stack)
-        p._stack.append(self)
-        self.mem0 = p._mem_sample() if p.record_memory else None
-        if p.record_memory and p._cuda and self.depth == 0:
-            torch.cuda.reset_peak_memory_stats()
-        if p._torch_prof is not None:
-            self._rf = torch.profiler.record_function(f"phase::{self.name}")
-            self._rf.__enter__()
-        self.t0 = time.perf_counter()
-        p._overhead_s += self.t0 - t_in
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        p = self.prof
-        if p._cuda_sync:
-            torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        if self._rf is not None:
-            self._rf.__exit__(None, None, None)
-        p._stack.pop()
-        rec: dict[str, Any] = {
-            "name": self.name,
-            "step": p._step,
-            "depth": self.depth,
-            "t0": self.t0,
-            "t1": t1,
-        }
-        if p.record_memory:
-            mem1 = p._mem_sample()
-            rec["mem_start"], rec["mem_end"] = self.mem0, mem1
-            peak = max(self.mem0["allocated"], mem1["allocated"])
-            if p._cuda and self.depth == 0:
-                peak = max(peak, torch.cuda.max_memory_allocated())
-            rec["mem_peak"] = peak
-            p._memory.append({"t": t1, **mem1})
-        p._phases.append(rec)
-        p._overhead_s += time.perf_counter() - t1
 
 
 class VerlProfiler:
@@ -259,7 +141,7 @@ class VerlProfiler:
         self._started = self._stopped = False
         self._active = False
         self._torch_prof: Any = None
-        self._stack: list[_Phase] = []
+        self._stack: list[Phase] = []
         self._phases: list[dict] = []
         self._steps: list[dict] = []
         self._memory: list[dict] = []
@@ -327,7 +209,7 @@ class VerlProfiler:
                 "allocated": int(torch.cuda.memory_allocated()),
                 "reserved": int(torch.cuda.memory_reserved()),
             }
-        rss = _rss_bytes()
+        rss = rss_bytes()
         return {"allocated": rss, "reserved": rss}
 
     # ------------------------------------------------------------------ lifecycle
@@ -456,8 +338,8 @@ class VerlProfiler:
         update_critic, update_actor (any name is accepted; nesting is allowed).
         """
         if not self._active:
-            return _NULL_PHASE
-        return _Phase(self, name)
+            return NULL_PHASE
+        return Phase(name, self)
 
     def record_rollout(self, latency_s: float, batch_size: int | None = None) -> None:
         """Record the latency (seconds) of one rollout batch; when none are recorded the
@@ -490,32 +372,12 @@ class VerlProfiler:
         self._collect_torch_events(json.loads(self._trace_path().read_text()))
 
     def _collect_torch_events(self, trace: dict) -> None:
-        """Comm events (gloo work, c10d calls, NCCL kernels) and device activity from a
-        Chrome trace, moved into the perf_counter timebase through the anchor range."""
-        events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-        anchor = next((e for e in events if e.get("name") == ANCHOR), None)
-        if anchor is None:
-            return
-        off = self._anchor_t - float(anchor["ts"]) * 1e-6
-        self._anchor_offset = off
-        for e in events:
-            name, cat = str(e.get("name", "")), e.get("cat", "")
-            t0 = float(e["ts"]) * 1e-6 + off
-            t1 = t0 + float(e["dur"]) * 1e-6
-            if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-                comm = cat == "kernel" and "nccl" in name.lower()
-                rec = {"name": name[:80], "t0": t0, "t1": t1, "comm": comm}
-                self._torch_events["kernels"].append(rec)
-                if comm:
-                    self._torch_events["comm"].append(
-                        {**rec, "source": "kernel", **_collective_args(e.get("args") or {})}
-                    )
-            elif name.startswith(("gloo:", "c10d::")):
-                src = "gloo" if name.startswith("gloo:") else "c10d"
-                rec = {"name": name, "t0": t0, "t1": t1, "source": src}
-                if src == "gloo":
-                    rec.update(_gloo_input_bytes(e.get("args") or {}))
-                self._torch_events["comm"].append(rec)
+        """Comm events and device activity of a Chrome trace (:func:`torch_events`)."""
+        found = torch_events(trace, self._anchor_t)
+        if found is not None:
+            self._anchor_offset, comm, kernels = found
+            self._torch_events["comm"] += comm
+            self._torch_events["kernels"] += kernels
 
     def stop(self) -> Path | None:
         """Close profiling, write ``profile_rank{r}.json`` and the Chrome trace.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from verl_comm.extras import require
+from verl_comm.extras import pyplot, save_figure
 from verl_comm.profiler.analysis import BACKWARD_PHASES, ENVELOPE_OPS
 
 PHASE_ORDER = (
@@ -40,6 +40,14 @@ def _ordered(names):
 
 def text_report(metrics: dict, diagnosis: dict) -> str:
     """Human-readable report of one run: table, then the diagnosis."""
+    n = max(metrics["step_time_max_over_ranks"]["n"], 1)
+    lines = _header_lines(metrics) + _phase_lines(metrics) + _comm_lines(metrics, n)
+    lines += _device_lines(metrics, n) + _tail_lines(metrics) + _diagnosis_lines(diagnosis)
+    return "\n".join(lines) + "\n"
+
+
+def _header_lines(metrics: dict) -> list[str]:
+    """Run, ranks, device and the step-time line."""
     run, st = metrics["run"], metrics["step_time_max_over_ranks"]
     lines = [
         f"=== profile report: {run['dir']}",
@@ -49,10 +57,17 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
     ]
     if run.get("missing_ranks"):
         lines.append(f"    MISSING profiles of ranks {run['missing_ranks']}: shown ranks only")
-    lines += [
+    return lines + [
         "",
         f"step time (max over ranks)  mean {_s(st['mean'])}  P50 {_s(st['p50'])}  "
         f"P99 {_s(st['p99'])}  P99/P50 {_s(st['p99_over_p50'], '.2f', '')}",
+    ]
+
+
+def _phase_lines(metrics: dict) -> list[str]:
+    """The phase table (time, share, calls, memory) and the unattributed share."""
+    run, phases = metrics["run"], metrics["phases"]
+    lines = [
         "",
         f"{'phase':<18}{'s/step':>10}{'share':>9}{'calls':>7}"
         + (
@@ -61,7 +76,6 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
             else f"{'RSS':>14}  (process RSS at phase edges, CPU)"
         ),
     ]
-    phases = metrics["phases"]
     for name in _ordered(phases):
         d = phases[name]
         indent = "  " if d["depth"] > 0 else ""
@@ -71,10 +85,14 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
             + (f"{_mb(d.get('mem_reserved_end')):>14}" if run.get("cuda") else "")
         )
     lines.append(f"{'(outside phases)':<18}{'':>10}{_pct(metrics['unattributed_share']):>9}")
-    c = metrics["comm"]
-    n = max(st["n"], 1)
+    return lines
+
+
+def _comm_lines(metrics: dict, n: int) -> list[str]:
+    """Communication per step: time, exposed part, bytes, top tags, torch records, ranks."""
+    c, phases = metrics["comm"], metrics["phases"]
     bwd = "/".join(p for p in BACKWARD_PHASES if p in phases) or "none"
-    lines += [
+    lines = [
         "",
         f"communication ({c['source']})",
         f"  {_s(c['per_step_s'])}/step = {_pct(c['share_of_step'])} of step; "
@@ -113,26 +131,33 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
             f"  rank {r['rank']}: step P50 {_s(r['step_p50_s'])}, comm {_pct(r['comm_share_of_step'])} "
             f"of step, host phases {_pct(r['host_share'])}"
         )
+    return lines
+
+
+def _device_lines(metrics: dict, n: int) -> list[str]:
+    """GPU idle gaps by phase and the kernels with the most device time."""
     idle = metrics["gpu_idle"]
     if idle is None:
-        lines.append("\nGPU idle gaps: n/a (no device kernels in the trace)")
-    else:
+        return ["\nGPU idle gaps: n/a (no device kernels in the trace)"]
+    lines = [
+        f"\nGPU idle gaps: {_s(idle['total_s'] / n)}/step = {_pct(idle['share'])} of step time"
+    ]
+    for ph, t in sorted(idle["by_phase_s"].items(), key=lambda kv: -kv[1])[:5]:
+        lines.append(f"    in {ph:<20} {t / n:.4f} s/step")
+    if idle.get("kernel_count"):
         lines.append(
-            f"\nGPU idle gaps: {_s(idle['total_s'] / n)}/step = {_pct(idle['share'])} of step time"
+            f"  device busy {_s(idle['busy_s'] / n)}/step, "
+            f"{idle['kernel_count'] / n:.0f} kernels/step; most device time:"
         )
-        for ph, t in sorted(idle["by_phase_s"].items(), key=lambda kv: -kv[1])[:5]:
-            lines.append(f"    in {ph:<20} {t / n:.4f} s/step")
-        if idle.get("kernel_count"):
-            lines.append(
-                f"  device busy {_s(idle['busy_s'] / n)}/step, "
-                f"{idle['kernel_count'] / n:.0f} kernels/step; most device time:"
-            )
-            for k in idle.get("top_kernels", [])[:5]:
-                lines.append(
-                    f"    {k['name'][:60]:<60} n={k['count']:<7} {k['time_s'] / n:.4f} s/step"
-                )
+        for k in idle.get("top_kernels", [])[:5]:
+            lines.append(f"    {k['name'][:60]:<60} n={k['count']:<7} {k['time_s'] / n:.4f} s/step")
+    return lines
+
+
+def _tail_lines(metrics: dict) -> list[str]:
+    """Rollout latency, reshard, and the profiler's own cost."""
     r, rs = metrics["rollout"], metrics["reshard"]
-    lines += [
+    lines = [
         f"rollout latency ({r['source']}): n={r['n']} P50 {_s(r['p50'])} P99 {_s(r['p99'])}",
         f"reshard: {'enabled' if rs['enabled'] else 'no reshard phase'}, {_s(rs['per_step_s'])}/step, "
         f"{rs['bytes'] / 1e6:.1f} MB recorded",
@@ -147,10 +172,12 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
             f"step{'s' if ov['unprofiled_steps'] != 1 else ''}): "
             f"{ov['in_step_slowdown']:+.0%}; phase times above include it"
         )
-    lines += [
-        "",
-        "diagnosis:",
-    ]
+    return lines
+
+
+def _diagnosis_lines(diagnosis: dict) -> list[str]:
+    """Each symptom with its verdict, evidence, causes and remedies."""
+    lines = ["", "diagnosis:"]
     for sym in diagnosis["symptoms"]:
         mark = {True: "FOUND", False: "ok", None: "n/a"}[sym["found"]]
         lines.append(f"  [{mark:^5}] {sym['id']}. {sym['name']}: {sym['evidence']}")
@@ -160,15 +187,13 @@ def text_report(metrics: dict, diagnosis: dict) -> str:
             lines.append(f"            remedy: {rem}")
     if not diagnosis["found"]:
         lines.append("  no bottleneck symptom above its threshold")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot_report(metrics: dict, path: str | os.PathLike) -> Path:
     """Stacked bars of the top-level phases per step, with communication time per step
     drawn as a black line over them (PNG, matplotlib Agg)."""
-    matplotlib = require("matplotlib")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     steps = metrics["per_step"]
     names = _ordered({n for s in steps for n in s["phases"]})
@@ -192,9 +217,4 @@ def plot_report(metrics: dict, path: str | os.PathLike) -> Path:
         f"comm {(c['share_of_step'] or 0):.0%} of step"
     )
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save_figure(fig, path)

@@ -19,22 +19,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from verl_ppo.reshard.layout import ParallelLayout
+from verl_ppo.strict_model import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class RolloutSharding(_Strict):
+class RolloutSharding(StrictModel):
     """Rollout (generation) layout: tensor parallel; the rest of the ranks are DP."""
 
     tensor_parallel_size: int = Field(1, ge=1, description="TP degree of the rollout model.")
 
 
-class TrainingSharding(_Strict):
+class TrainingSharding(StrictModel):
     """Training layout of the actor: pipeline x data parallel on DeepSpeed's engines.
 
     ``pipeline_parallel_size >= 2`` trains the actor and critic on DeepSpeed's pipeline
@@ -71,7 +68,7 @@ class TrainingSharding(_Strict):
         return data
 
 
-class HybridEngineConfig(_Strict):
+class HybridEngineConfig(StrictModel):
     """Switching the actor between its training and rollout layouts."""
 
     enable: bool = Field(False, description="Generate with the TP rollout model after resharding.")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_comm.telemetry import CommRecorder
+from verl_comm.telemetry import CommRecorder, rss_bytes
 from verl_ppo.reshard.config import HybridEngineConfig
 from verl_ppo.reshard.engine import ReshardEngine
 from verl_ppo.reshard.layout import ParallelLayout
@@ -44,12 +43,7 @@ def _memory_gb(device: torch.device) -> dict[str, float]:
             "allocated_GB": torch.cuda.memory_allocated(device) / 1e9,
             "reserved_GB": torch.cuda.memory_reserved(device) / 1e9,
         }
-    try:  # resident set size of this process (Linux)
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return {"rss_GB": rss / 1e9}
-    except (OSError, ValueError):  # pragma: no cover - non-Linux
-        return {}
+    return {"rss_GB": rss_bytes() / 1e9}
 
 
 def named_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

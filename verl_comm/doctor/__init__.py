@@ -10,7 +10,7 @@ Checks, in order: versions (Python, torch, CUDA, NCCL, triton, deepspeed, transf
 last two by package metadata, never imported); the int8 kernels' self-test (quantize then
 dequantize a small CPU tensor, error within the documented bound); the environment linter;
 the topology (NVLink counts against the platform's full count); then N processes
-(:mod:`verl_comm.distributed.selftest`): init with an explicit timeout, an exact all-reduce
+(:mod:`verl_comm.doctor.selftest`): init with an explicit timeout, an exact all-reduce
 correctness test, small-message latency, large-message busbw and, with NCCL, the transport
 NCCL chose (``NCCL_DEBUG=INFO`` lines ``Channel ... via P2P/...``).
 
@@ -146,7 +146,7 @@ def _read_back(f) -> str:
 def check_distributed(
     nproc: int, backend: str, timeout_s: float, startup_s: float, bw_bytes: int, iters: int
 ) -> dict:
-    """Run :mod:`verl_comm.distributed.selftest` in ``nproc`` processes with deadlines.
+    """Run :mod:`verl_comm.doctor.selftest` in ``nproc`` processes with deadlines.
 
     Each worker is killed after ``startup_s + 4 * timeout_s`` seconds; the report lists per
     rank the steps it finished and, for a killed or failed rank, the step it was in.
@@ -169,7 +169,7 @@ def check_distributed(
     ]
 
     def cmd(r: int) -> list[str]:
-        return [sys.executable, "-m", "verl_comm.distributed.selftest", "--rank", str(r),
+        return [sys.executable, "-m", "verl_comm.doctor.selftest", "--rank", str(r),
                 "--world", str(nproc), "--port", str(port), "--backend", backend, "--timeout",
                 str(timeout_s), "--iters", str(iters), "--bw-bytes", str(bw_bytes)]  # fmt: skip
 
@@ -333,7 +333,3 @@ def main(argv: list[str] | None = None) -> int:
     report = run_doctor(args)
     print(json.dumps(report, indent=1) if args.json else _fmt_text(report))
     return 0 if report["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

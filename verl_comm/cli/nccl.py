@@ -110,7 +110,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _autotune(args: argparse.Namespace) -> int:
-    from verl_comm.nccl.autotune import autotune, format_report
+    from verl_comm.bench.autotune import autotune, format_report
 
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]

@@ -1,7 +1,7 @@
 """``verl-comm`` command line: dispatches to the subcommand modules.
 
 Subcommands (each owned by its module, imported lazily so ``--help`` is fast):
-  nccl lint|show|autotune   -> verl_comm.nccl.cli
+  nccl lint|show|autotune   -> verl_comm.cli.nccl
   doctor                    -> verl_comm.doctor
   bench allreduce           -> verl_comm.bench.cli
   profile report DIR        -> verl_comm.profiler.cli
@@ -13,7 +13,7 @@ import importlib
 import sys
 
 _SUBCOMMANDS = {
-    "nccl": ("verl_comm.nccl.cli", "NCCL environment: lint, show a preset, autotune"),
+    "nccl": ("verl_comm.cli.nccl", "NCCL environment: lint, show a preset, autotune"),
     "doctor": ("verl_comm.doctor", "check versions, kernels, env, topology and collectives"),
     "bench": ("verl_comm.bench.cli", "collective benchmarks (nccl-tests style)"),
     "profile": ("verl_comm.profiler.cli", "profile reports and diagnosis"),
@@ -43,7 +43,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(_SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""One rank of the doctor's distributed check (``python -m verl_comm.distributed.selftest``).
+"""One rank of the doctor's distributed check (``python -m verl_comm.doctor.selftest``).
 
 Launched N times by :mod:`verl_comm.doctor`; each step prints one line
 ``DOCTOR {json}`` as soon as it finishes, so the parent knows which step a hung or killed
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the worker's arguments (set by the doctor) and run."""
-    p = argparse.ArgumentParser(prog="python -m verl_comm.distributed.selftest")
+    p = argparse.ArgumentParser(prog="python -m verl_comm.doctor.selftest")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
