@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
+    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
