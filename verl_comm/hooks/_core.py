@@ -451,7 +451,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     state.mark_ready(index, is_last, dev)
     pids = resume.param_ids(state, bucket)
     if not cuda and resume.should_hold(state, index, pids, (buf.numel(), str(buf.dtype), shapes)):
-        return resume.hold(state, buf, pids, bucket.parameters(), is_last)
+        return resume.hold(state, buf, pids, bucket.parameters(), is_last, _reduce_bucket)
     if _uses_worker(state, dev):
         fut: torch.futures.Future = (
             torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()

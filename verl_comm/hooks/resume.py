@@ -14,6 +14,7 @@ DDP's rebuilt layout is the saved one again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,21 +54,28 @@ def should_hold(state: Any, index: int, pids: tuple[int, ...] | None, signature:
     return saved.params != pids or saved.signature != signature
 
 
-def hold(state: Any, buf: torch.Tensor, pids: tuple[int, ...], params: list[Any], is_last: bool):
-    """Hold one bucket; at the last, reduce the step in the saved layout (see module doc)."""
+def hold(
+    state: Any,
+    buf: torch.Tensor,
+    pids: tuple[int, ...],
+    params: list[Any],
+    is_last: bool,
+    reduce: Callable[..., None],
+):
+    """Hold one bucket; at the last, reduce the step in the saved layout (see module doc)
+    with ``reduce`` (the hooks' ``_reduce_bucket``, passed in: this module is below
+    ``_core``)."""
     if state._held is None:
         state._held = Held()
     fut: torch.futures.Future = torch.futures.Future()
     state._held.buckets.append((buf, pids, list(params), fut))
     if is_last:
         held, state._held = state._held, None
-        _reduce_saved_layout(state, held)
+        _reduce_saved_layout(state, held, reduce)
     return fut
 
 
-def _reduce_saved_layout(state: Any, held: Held) -> None:
-    from ._core import _reduce_bucket
-
+def _reduce_saved_layout(state: Any, held: Held, reduce: Callable[..., None]) -> None:
     if state._worker is not None:
         state._worker.drain(state.timeout_s)
     views: dict[int, torch.Tensor] = {}
@@ -91,7 +99,7 @@ def _reduce_saved_layout(state: Any, held: Held) -> None:
             off += n
         shapes = bs.signature[2]
         method = bs.meta[0]
-        _reduce_bucket(state, buf, idx, shapes, tuple(keep), method, k == len(order) - 1)
+        reduce(state, buf, idx, shapes, tuple(keep), method, k == len(order) - 1)
         off = 0
         for pid in bs.params:
             n = views[pid].numel()
