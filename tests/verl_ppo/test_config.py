@@ -151,6 +151,7 @@ def test_schema_imports_no_feature_module():
         "verl_ppo",
         "verl_ppo.config",
         "verl_ppo.errors",
+        "verl_ppo.strict_model",
         "verl_ppo.reshard",
         "verl_ppo.reshard.config",
         "verl_ppo.reshard.layout",

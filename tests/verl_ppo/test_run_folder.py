@@ -212,5 +212,8 @@ def test_ctrl_c_during_start_up_says_so(tmp_path):
     time.sleep(1.5)  # in main(): importing torch and validating the config take longer
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-2000:]
+    # 130 = 128 + SIGINT from main(); on a fresh clone (imports compiling their .pyc) the
+    # interpreter was seen ending by SIGINT itself after the message (-2): a shell reports
+    # both as 130, and the property is the message without a traceback
+    assert p.returncode in (130, -signal.SIGINT), err[-2000:]
     assert "interrupted (Ctrl-C)" in err and "Traceback" not in err, err[-2000:]
