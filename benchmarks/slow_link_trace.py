@@ -111,6 +111,13 @@ def _lanes(name: str) -> int | None:
 
 
 def build(name: str, dim: int, layers: int):
+    """DDP over ``layers`` x ``Linear(dim, dim)`` (fp32, ``bucket_cap_mb`` 25) with method
+    ``name``'s hook wrapped in the per-bucket tracer; returns ``(ddp, optimizer, state)``
+    (state None for torch's hooks). Needs an initialised process group.
+
+    Raises:
+        pydantic.ValidationError: an unknown ``ours_<method>`` (CompressionConfig).
+    """
     from verl_comm.compression.config import CompressionConfig
     from verl_comm.hooks import HOOKS, CommHookState
 
@@ -125,7 +132,7 @@ def build(name: str, dim: int, layers: int):
     else:
         method = name.split("@")[0].removeprefix("ours_")
         cfg = CompressionConfig(gradient_compression=method, bucket_cap_mb=25)
-        state = CommHookState(None, cfg, collect_stats=False)
+        state = CommHookState(None, cfg)  # statistics off: the default (stats_every=0)
         ddp.register_comm_hook(state, _traced_hook(HOOKS[cfg.method]))
     opt = torch.optim.SGD(mod.parameters(), lr=0.0)
     return ddp, opt, state
@@ -164,6 +171,8 @@ def summarize(path: str) -> None:
 
 
 def main() -> None:
+    """Trace the methods on this rank's process group (torchrun variables), or with
+    ``--summarize FILE`` print the busy fraction of the link per method from a trace."""
     p = argparse.ArgumentParser()
     p.add_argument("--summarize", metavar="FILE", help="summarize a trace instead")
     p.add_argument("--methods", default="none,torch_fp16,ours_bf16,ours_int8")

@@ -215,6 +215,8 @@ def report(out: Path, smoke: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``collect`` one method's records from its run folder, or ``report`` the markdown
+    from the JSONL (see the module docstring); returns the exit code."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("collect", help="records of one method's job")

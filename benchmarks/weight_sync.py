@@ -205,6 +205,8 @@ def markdown(recs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the full vs delta sync rounds (module docstring), append the records and write
+    the markdown; returns the exit code (1 when a numerics check failed)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model, 3 rounds, loopback")
     p.add_argument("--out", default="benchmarks/results")
