@@ -109,10 +109,10 @@ def floor_record(s: Setup, world: int, base: dict[str, Any]) -> dict[str, Any] |
     """The step-time floor of the workload from the model shape (1 x the device peaks):
     matmul FLOPs of what PPO needs (actor and critic updates, ref and values forwards; the
     LM head on response positions) at peak FLOP/s plus the rollout's decode floor
-    (:mod:`verl_ppo.perf`). None off CUDA or on an unknown device."""
+    (:mod:`verl_ppo.observe.perf`). None off CUDA or on an unknown device."""
     from types import SimpleNamespace
 
-    from verl_ppo.perf import ModelFlops, device_peaks
+    from verl_ppo.observe.perf import ModelFlops, device_peaks
 
     if not torch.cuda.is_available():
         return None
@@ -263,7 +263,7 @@ def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
         lines += [
             "",
             "Ours per phase (median over the timed steps): MFU = model FLOPs (verl's counting "
-            "with causal attention, verl_ppo/perf.py) / time / dense bf16 peak; peak = max CUDA memory allocated.",
+            "with causal attention, verl_ppo/observe/perf.py) / time / dense bf16 peak; peak = max CUDA memory allocated.",
             "",
             "| variant | phase | MFU | TFLOP/s | peak GiB |",
             "|---|---|---:|---:|---:|",

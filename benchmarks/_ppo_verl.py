@@ -180,7 +180,7 @@ def check_log_probs_vs_hf(trainer: Any, task: FixedLengthTask, s: Setup) -> dict
     model = trainer.actor.module
     model.eval()
     T = trainer.config.rollout.temperature
-    from verl_ppo.compiled import eager_layers
+    from verl_ppo.step.compiled import eager_layers
 
     with eager_layers(model):  # the plain forward: HF's eager layers, whatever is compiled
         logits = (

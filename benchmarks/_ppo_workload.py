@@ -137,10 +137,10 @@ class FixedLengthTask:
 
 def load_tokenizer(model_dir: str | None) -> Any:
     """SmolLM2's tokenizer from ``model_dir`` (or the packaged model), left padding,
-    pad = eos when unset (what ``verl_ppo.models.load_tokenizer`` does)."""
+    pad = eos when unset (what ``verl_ppo.workers.models.load_tokenizer`` does)."""
     from types import SimpleNamespace
 
-    from verl_ppo.models import load_tokenizer as _load
+    from verl_ppo.workers.models import load_tokenizer as _load
 
     return _load(SimpleNamespace(path=model_dir))
 

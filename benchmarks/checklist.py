@@ -48,11 +48,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from verl_ppo.batching import token_budget_micro_batches  # noqa: E402
-from verl_ppo.packing import packed_log_probs  # noqa: E402
 from verl_ppo.roles.common import sequence_log_probs  # noqa: E402
 from verl_ppo.rollout.cuda_graph import StaticCacheDecoder  # noqa: E402
 from verl_ppo.rollout.generate import generate  # noqa: E402
+from verl_ppo.step.batching import token_budget_micro_batches  # noqa: E402
+from verl_ppo.step.packing import packed_log_probs  # noqa: E402
 
 QWEN05B = dict(
     hidden_size=896,

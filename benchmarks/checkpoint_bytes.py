@@ -67,7 +67,7 @@ def _floor(module_states: Path) -> tuple[int, int, int]:
 
 def measure(run_dir: Path) -> dict:
     """Sizes of the latest checkpoint and of ``run_dir/hf`` (see the module docstring)."""
-    from verl_ppo.export import find_checkpoint
+    from verl_ppo.run.export import find_checkpoint
 
     ckpt = find_checkpoint(run_dir)
     files = _sizes(ckpt)

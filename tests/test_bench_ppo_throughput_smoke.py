@@ -54,7 +54,7 @@ def test_ppo_throughput_smoke(tmp_path):
 def test_fixed_length_prompts_are_exact_and_task_scores():
     from types import SimpleNamespace
 
-    from verl_ppo.models import load_tokenizer
+    from verl_ppo.workers.models import load_tokenizer
 
     tok = load_tokenizer(SimpleNamespace(path=None))
     texts = bench.fixed_length_prompts(tok, 3, 37, seed=1)

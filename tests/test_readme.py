@@ -38,7 +38,7 @@ def test_export_lines_run_on_the_default_job():
     import shlex
 
     from verl_ppo.config import load_config
-    from verl_ppo.export import build_parser
+    from verl_ppo.run.export import build_parser
 
     cfg = load_config(ROOT / "configs" / "default.yaml")
     t = cfg.train

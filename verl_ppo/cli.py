@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return train_main(rest)
         if cmd == "export":
-            from verl_ppo.export import main as export_main
+            from verl_ppo.run.export import main as export_main
 
             return export_main(rest)
         if cmd in ("eval", "generate"):
-            from verl_ppo.evaluate import eval_main, generate_main
+            from verl_ppo.step.evaluate import eval_main, generate_main
 
             return (eval_main if cmd == "eval" else generate_main)(rest)
         from verl_ppo.reward.server import main as server_main

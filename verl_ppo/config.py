@@ -2,9 +2,9 @@
 
 Loaded from YAML with dotted ``key=value`` overrides (``load_config``). Unknown keys and
 wrong types fail here; :func:`build_config` then runs the rules that look past one field
-(:mod:`verl_ppo.rules`, through :func:`verl_ppo.fast_path.check_config`), all before any
+(:mod:`verl_ppo.job.rules`, through :func:`verl_ppo.job.fast_path.check_config`), all before any
 process starts, with a message naming the field and the fix. The schema keeps ``auto`` as
-written: :mod:`verl_ppo.fast_path` resolves it, once per run. Derived sizes (per-rank
+written: :mod:`verl_ppo.job.fast_path` resolves it, once per run. Derived sizes (per-rank
 batch, number of mini-batches) are computed once by :meth:`PPOConfig.derived` with an
 exact-division helper.
 
@@ -32,8 +32,8 @@ from pydantic import (
 
 from verl_comm.compression.config import CompressionConfig
 from verl_ppo.errors import ConfigError, divisors
+from verl_ppo.job.strict_model import StrictModel as _Strict
 from verl_ppo.reshard.config import HybridEngineConfig
-from verl_ppo.strict_model import StrictModel as _Strict
 
 __all__ = ["ConfigError", "Derived", "PPOConfig", "build_config", "exact_div", "load_config"]
 
@@ -90,7 +90,7 @@ class RolloutConfig(_Strict):
     use_cuda_graph: bool | Literal["auto"] = Field(
         "auto",
         description="static KV cache + decode steps as CUDA graphs; auto = on with CUDA for "
-        "supported models (verl_ppo.fast_path)",
+        "supported models (verl_ppo.job.fast_path)",
     )
     micro_batch_size: int | None = Field(
         None,
@@ -160,7 +160,7 @@ class _Engine(_Strict):
 
     zero_stage: Literal["auto", 0, 1, 2, 3] = Field(
         "auto",
-        description="DeepSpeed ZeRO stage; auto = 1 with CUDA, 0 on the CPU (verl_ppo.fast_path)",
+        description="DeepSpeed ZeRO stage; auto = 1 with CUDA, 0 on the CPU (verl_ppo.job.fast_path)",
     )
 
 
@@ -206,7 +206,7 @@ class TrainConfig(_Strict):
         "auto",
         description="auto: continue from run_dir's latest complete checkpoint (a run_dir "
         "with metrics but no checkpoint is refused); never: start at step 0, moving an old "
-        "metrics.jsonl and checkpoints/ aside (see verl_ppo/run_folder.py)",
+        "metrics.jsonl and checkpoints/ aside (see verl_ppo/run/folder.py)",
     )
     keep_last_checkpoints: int = Field(
         2, ge=0, description="complete checkpoints kept in run_dir (older removed); 0 = all"
@@ -223,7 +223,7 @@ class TrainConfig(_Strict):
     )
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["console", "jsonl"],
-        description="metric backends (verl_ppo/tracking.py): console lines, run_dir/metrics.jsonl, "
+        description="metric backends (verl_ppo/observe/tracking.py): console lines, run_dir/metrics.jsonl, "
         "TensorBoard events in run_dir/tensorboard, a wandb run in run_dir/wandb",
     )
     export_hf: bool = Field(
@@ -242,7 +242,7 @@ class TrainConfig(_Strict):
     torch_compile: bool | Literal["auto"] = Field(
         "auto",
         description="regional torch.compile of each decoder layer of the actor, reference "
-        "and critic for the training and scoring forwards (verl_ppo/compiled.py); auto = on "
+        "and critic for the training and scoring forwards (verl_ppo/step/compiled.py); auto = on "
         "with CUDA",
     )
 
@@ -523,7 +523,7 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOCon
     dotted paths passed as ``**{"train.num_steps": 3}``; values are Python objects.
 
     Raises:
-        ConfigError: with one line per bad field, or the rules of :mod:`verl_ppo.rules`
+        ConfigError: with one line per bad field, or the rules of :mod:`verl_ppo.job.rules`
             that the config breaks.
     """
     layers = [dict(data or {})]
@@ -539,8 +539,8 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> PPOCon
 
 
 def _checked(cfg: PPOConfig) -> PPOConfig:
-    """``cfg`` once the rules of :mod:`verl_ppo.rules` hold (ConfigError otherwise)."""
-    from verl_ppo.fast_path import check_config  # the rules read the features' limits
+    """``cfg`` once the rules of :mod:`verl_ppo.job.rules` hold (ConfigError otherwise)."""
+    from verl_ppo.job.fast_path import check_config  # the rules read the features' limits
 
     check_config(cfg)
     return cfg

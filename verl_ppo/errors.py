@@ -1,7 +1,7 @@
 """The error every configuration check raises, and :func:`divisors` that its fixes offer
 (a leaf module: the schema
-:mod:`verl_ppo.config`, the rule table :mod:`verl_ppo.rules` and the resolver
-:mod:`verl_ppo.fast_path` all raise it, and none of them imports another to do so)."""
+:mod:`verl_ppo.config`, the rule table :mod:`verl_ppo.job.rules` and the resolver
+:mod:`verl_ppo.job.fast_path` all raise it, and none of them imports another to do so)."""
 
 from __future__ import annotations
 

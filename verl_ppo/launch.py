@@ -22,12 +22,12 @@ from verl_comm.distributed.launch import run_ranks
 
 
 def preflight(cfg: Any) -> None:
-    """Checks run once in the parent for ``comm.nproc`` ranks (see :mod:`verl_ppo.preflight`).
+    """Checks run once in the parent for ``comm.nproc`` ranks (see :mod:`verl_ppo.job.preflight`).
 
     Raises:
-        verl_ppo.preflight.PreflightError: naming the field and the fix.
+        verl_ppo.job.preflight.PreflightError: naming the field and the fix.
     """
-    from verl_ppo.preflight import preflight as check
+    from verl_ppo.job.preflight import preflight as check
 
     check(cfg, cfg.comm.nproc)
 
@@ -36,7 +36,7 @@ def launch(cfg: Any, config_path: str | None, overrides: list[str]) -> int:
     """Start ``cfg.comm.nproc`` ranks of ``python -m verl_ppo.train`` and supervise them.
 
     Order: every preflight check (no process started yet), the ``run_dir`` lock and its
-    fresh-start policy (:mod:`verl_ppo.run_folder`), then the ranks. ``config_path`` None
+    fresh-start policy (:mod:`verl_ppo.run.folder`), then the ranks. ``config_path`` None
     writes the resolved config to ``run_dir/config.yaml`` and launches the ranks on it
     (the Python API); the CLI passes its own file and overrides through unchanged.
 
@@ -45,7 +45,7 @@ def launch(cfg: Any, config_path: str | None, overrides: list[str]) -> int:
         (the ranks saved a checkpoint first); else the failed rank's exit code (or 1, 2
         for a preflight or run-folder error).
     """
-    from verl_ppo.run_folder import RunDirError, RunDirLock, prepare_run_dir
+    from verl_ppo.run.folder import RunDirError, RunDirLock, prepare_run_dir
 
     os.environ.setdefault("VERL_PPO_T0", repr(time.time()))
     try:

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if not under_launcher:  # a busy or unusable run_dir is refused before torch is imported
-        from verl_ppo.run_folder import early_lock_check
+        from verl_ppo.run.folder import early_lock_check
 
         problem = early_lock_check(args.config, args.overrides)
         if problem:
@@ -77,7 +77,7 @@ def _main(args: argparse.Namespace) -> int:
         from verl_ppo.launch import rank_main
 
         if not os.environ.get("VERL_PPO_LAUNCHED"):  # torchrun: no parent checked the config
-            from verl_ppo.preflight import PreflightError, preflight
+            from verl_ppo.job.preflight import PreflightError, preflight
 
             try:
                 preflight(cfg, int(os.environ["WORLD_SIZE"]), check_port=False)

@@ -3,10 +3,10 @@
 rollout (reshard -> gen -> reward) -> old_log_prob -> ref -> values -> adv -> update_critic
 -> update_actor
 
-Each rank makes its share of the global rollout batch (:mod:`verl_ppo.experience_maker`);
+Each rank makes its share of the global rollout batch (:mod:`verl_ppo.step.experience_maker`);
 the actor and critic are DeepSpeed engines whose gradients are reduced across the
 data-parallel ranks (by DeepSpeed, or by verl_comm's hooks when ``gradient_compression`` is
-set: each :class:`~verl_ppo.strategy.DeepSpeedStrategy` owns its handle). The PPO maths comes
+set: each :class:`~verl_ppo.workers.strategy.DeepSpeedStrategy` owns its handle). The PPO maths comes
 from the registries of :mod:`verl_ppo.algorithms`. Metrics are averaged over ranks and
 written by rank 0.
 
@@ -16,10 +16,10 @@ communicates: the gradient reducers, the metric and evaluation reductions, the r
 (waiting for async scores, a remote reward's deadline) and the checkpoint barriers.
 
 :class:`PPOTrainer` reads as setup / run / close. :meth:`~PPOTrainer.setup` resolves the
-job once (:func:`verl_ppo.fast_path.resolve`) and composes three parts, each given what it
-needs in its constructor: :class:`~verl_ppo.trainer_build.Workers` (roles, strategies,
-hybrid engine, reward), :class:`~verl_ppo.trainer_step.PPOStep` (experience, scoring,
-advantages, update, evaluation) and :class:`~verl_ppo.trainer_run_dir.RunFolder` (claim,
+job once (:func:`verl_ppo.job.fast_path.resolve`) and composes three parts, each given what it
+needs in its constructor: :class:`~verl_ppo.workers.build.Workers` (roles, strategies,
+hybrid engine, reward), :class:`~verl_ppo.step.ppo_step.PPOStep` (experience, scoring,
+advantages, update, evaluation) and :class:`~verl_ppo.run.run_dir.RunFolder` (claim,
 checkpoints, resume, export). This module also launches the ranks from a plain process.
 """
 
@@ -42,19 +42,19 @@ from verl_comm.telemetry import CommRecorder
 from verl_ppo.algorithms import make_kl_controller
 from verl_ppo.config import PPOConfig, build_config, load_config
 from verl_ppo.data.tasks import Task
-from verl_ppo.distributed import ensure_process_group, environment_findings
-from verl_ppo.experience_maker import ExperienceMaker
-from verl_ppo.fast_path import ModelFacts, layouts, model_config_of, resolve
+from verl_ppo.job.fast_path import ModelFacts, layouts, model_config_of, resolve
 from verl_ppo.launch import launch
-from verl_ppo.metrics import get_logger, progress_bar
-from verl_ppo.models import load_tokenizer
-from verl_ppo.monitor import PrometheusMonitor
-from verl_ppo.report import RunSummary, format_samples
-from verl_ppo.run_folder import StopRequest, logged_eval_start
-from verl_ppo.tracking import build_tracking
-from verl_ppo.trainer_build import Workers
-from verl_ppo.trainer_run_dir import RunFolder
-from verl_ppo.trainer_step import SAMPLES_SHOWN, PPOStep
+from verl_ppo.observe.metrics import get_logger, progress_bar
+from verl_ppo.observe.monitor import PrometheusMonitor
+from verl_ppo.observe.report import RunSummary, format_samples
+from verl_ppo.observe.tracking import build_tracking
+from verl_ppo.run.folder import StopRequest, logged_eval_start
+from verl_ppo.run.run_dir import RunFolder
+from verl_ppo.step.experience_maker import ExperienceMaker
+from verl_ppo.step.ppo_step import SAMPLES_SHOWN, PPOStep
+from verl_ppo.workers.build import Workers
+from verl_ppo.workers.distributed import ensure_process_group, environment_findings
+from verl_ppo.workers.models import load_tokenizer
 
 __all__ = ["PPOTrainer", "SAMPLES_SHOWN"]
 
@@ -78,7 +78,7 @@ class PPOTrainer:
     After :meth:`setup`, the parts' products are readable here: ``actor``, ``critic``,
     ``reference``, ``engines``, ``pipeline``, ``hybrid``, ``policy_config`` (from the
     workers), ``experience_maker``, ``tokenizer``, ``task``, ``profiler``, ``ctx``,
-    ``world``, ``d`` and ``job`` (the :class:`~verl_ppo.fast_path.ResolvedJob`).
+    ``world``, ``d`` and ``job`` (the :class:`~verl_ppo.job.fast_path.ResolvedJob`).
 
     Raises:
         verl_ppo.config.ConfigError: invalid configuration (before any process group).
@@ -239,7 +239,7 @@ class PPOTrainer:
 
     @property
     def grad_comm(self) -> dict[str, Any]:
-        """Role -> active :class:`~verl_ppo.grad_comm.GradCommHandle`."""
+        """Role -> active :class:`~verl_ppo.workers.grad_comm.GradCommHandle`."""
         return {} if self.workers is None else self.workers.grad_comm()
 
     # ------------------------------------------------------------------- step
@@ -249,7 +249,7 @@ class PPOTrainer:
 
     def evaluate(self, keep: list | None = None) -> float:
         """Mean reward of greedy responses on the held-out split (collective); see
-        :meth:`verl_ppo.trainer_step.PPOStep.evaluate`."""
+        :meth:`verl_ppo.step.ppo_step.PPOStep.evaluate`."""
         return self.ppo_step.evaluate(keep)
 
     def save_checkpoint(self) -> Path:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from verl_ppo.experience import Experience
+from verl_ppo.step.experience import Experience
 
 PROBE_EPOCHS = 2  # 2 epochs x 2 mini-batches: 4 optimizer steps per role
 

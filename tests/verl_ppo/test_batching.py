@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from verl_ppo.batching import (
+from verl_ppo.step.batching import (
     micro_batch_weights,
     padding_efficiency,
     plan_micro_batches,

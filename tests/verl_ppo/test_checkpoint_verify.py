@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from verl_ppo.checkpoint import CheckpointError, CheckpointManager, pick_checkpoint
+from verl_ppo.run.checkpoint import CheckpointError, CheckpointManager, pick_checkpoint
 
 
 class _Engine:
@@ -142,7 +142,7 @@ def test_two_ranks_agree_on_the_step_before_loading(tmp_path):
 
 
 def test_export_refuses_a_damaged_checkpoint(tmp_path):
-    from verl_ppo.export import ExportError, find_checkpoint
+    from verl_ppo.run.export import ExportError, find_checkpoint
 
     _save(tmp_path, [2, 4])
     (tmp_path / "checkpoints/step_000004/actor/model.pt").write_bytes(b"")

@@ -1,4 +1,4 @@
-"""``train.torch_compile``: regional compilation of the decoder layers (verl_ppo/compiled.py).
+"""``train.torch_compile``: regional compilation of the decoder layers (verl_ppo/step/compiled.py).
 
 CPU: which layers are found, the switch's resolution and refusal, and that generation through
 the HF model runs the compiled layers eagerly (no compilation, same tokens). CUDA (skipped
@@ -12,14 +12,14 @@ import copy
 import pytest
 import torch
 
-from verl_ppo.compiled import (
+from verl_ppo.step.compiled import (
     CompiledOrEager,
     compile_decoder_layers,
     decoder_layers,
     eager_layers,
     torch_compile_unsupported,
 )
-from verl_ppo.models import build_value_model
+from verl_ppo.workers.models import build_value_model
 
 
 def _tiny(layers: int = 2, dtype=torch.float32) -> torch.nn.Module:
@@ -100,7 +100,7 @@ def test_compiled_or_eager_runs_eagerly_on_cpu():
 
 def test_explicit_true_on_cpu_is_refused_before_start():
     from verl_ppo.config import build_config
-    from verl_ppo.preflight import PreflightError, check_fast_path
+    from verl_ppo.job.preflight import PreflightError, check_fast_path
 
     if torch.cuda.is_available():
         pytest.skip("refusal is for machines without CUDA")
@@ -147,7 +147,7 @@ def test_compiled_training_step_matches_eager_on_cuda():
 def test_resolution_on_a_cuda_machine(over, on, reason):
     """What ``auto`` resolves to with CUDA (``resolve`` takes the device as an argument)."""
     from verl_ppo.config import build_config
-    from verl_ppo.fast_path import resolve
+    from verl_ppo.job.fast_path import resolve
 
     fp = resolve(build_config(None, **over), True, _tiny(1))
     assert fp.torch_compile is on
@@ -157,7 +157,7 @@ def test_resolution_on_a_cuda_machine(over, on, reason):
 
 def test_explicit_true_with_zero3_is_refused():
     from verl_ppo.config import ConfigError, build_config
-    from verl_ppo.fast_path import resolve
+    from verl_ppo.job.fast_path import resolve
 
     over = {"actor.zero_stage": 3, "train.torch_compile": True}
     with pytest.raises(ConfigError, match="train.torch_compile=true cannot apply: ZeRO-3"):

@@ -151,7 +151,8 @@ def test_schema_imports_no_feature_module():
         "verl_ppo",
         "verl_ppo.config",
         "verl_ppo.errors",
-        "verl_ppo.strict_model",
+        "verl_ppo.job",
+        "verl_ppo.job.strict_model",
         "verl_ppo.reshard",
         "verl_ppo.reshard.config",
         "verl_ppo.reshard.layout",
@@ -159,9 +160,9 @@ def test_schema_imports_no_feature_module():
 
 
 def test_a_switch_rule_refuses_true_and_turns_auto_off_with_one_reason():
-    """ZeRO-3 x fused log-probs is written once (verl_ppo.rules.SWITCHES): an explicit true
+    """ZeRO-3 x fused log-probs is written once (verl_ppo.job.rules.SWITCHES): an explicit true
     is refused when the config is built, auto resolves off with the same reason."""
-    from verl_ppo.fast_path import ModelFacts, resolve
+    from verl_ppo.job.fast_path import ModelFacts, resolve
 
     why = "ZeRO-3 partitions the LM head weight"
     with pytest.raises(ConfigError, match=f"train.fused_log_probs=true cannot apply: {why}"):

@@ -11,7 +11,7 @@ SCRIPT = """
 import json, sys
 from verl_ppo import PPOTrainer
 from verl_ppo.data.model_store import ensure_smollm2
-from verl_ppo.evaluate import eval_main
+from verl_ppo.step.evaluate import eval_main
 
 run = sys.argv[1]
 # the default job's eval (its task options, 16 tokens, batch), cut to 4 prompts, one process
@@ -45,7 +45,7 @@ def test_eval_equals_trainer_step0_eval(tmp_path):
 
 def test_generate_answers_in_the_chat_template(capsys):
     from verl_ppo.data.model_store import ensure_smollm2
-    from verl_ppo.evaluate import generate_main
+    from verl_ppo.step.evaluate import generate_main
 
     assert (
         generate_main(
@@ -58,7 +58,7 @@ def test_generate_answers_in_the_chat_template(capsys):
 
 
 def test_bad_model_is_one_clear_line(tmp_path, capsys):
-    from verl_ppo.evaluate import eval_main
+    from verl_ppo.step.evaluate import eval_main
 
     assert eval_main(["--model", "no-such-org/no-such-model"]) == 2
     assert "not in the local cache" in capsys.readouterr().err

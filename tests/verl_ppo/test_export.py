@@ -6,7 +6,7 @@ import torch
 
 from tests._models import tiny_causal_lm
 from tests.verl_ppo._run import last_json, run_job, run_python
-from verl_ppo.export import (
+from verl_ppo.run.export import (
     ExportError,
     export_checkpoint,
     find_checkpoint,
@@ -40,7 +40,7 @@ def test_write_and_load_actor_and_critic_exactly(tmp_path):
     from transformers import AutoTokenizer
 
     from verl_ppo.data.model_store import ensure_smollm2
-    from verl_ppo.models import build_value_model
+    from verl_ppo.workers.models import build_value_model
 
     policy = _tiny_policy()
     meta = save_model_meta(tmp_path, policy.config, ensure_smollm2(), policy.generation_config)
@@ -72,7 +72,7 @@ def test_strategy_gathering_itself_is_used_and_a_tied_name_may_be_missing(tmp_pa
     """The hook a pipeline strategy plugs in (``full_state_dict()``, stages gathered by it):
     its dict is what gets written, and naming the tied embedding once is enough."""
     from verl_ppo.data.model_store import ensure_smollm2
-    from verl_ppo.export import engine_state_dict
+    from verl_ppo.run.export import engine_state_dict
 
     policy = _tiny_policy(seed=3)
     meta = save_model_meta(tmp_path, policy.config, ensure_smollm2(), policy.generation_config)
@@ -103,7 +103,7 @@ def test_missing_checkpoint_is_named(tmp_path):
 SCRIPT = """
 import json, sys, torch
 from verl_ppo import PPOTrainer
-from verl_ppo.export import export_checkpoint
+from verl_ppo.run.export import export_checkpoint
 from transformers import AutoModelForCausalLM as LM, AutoModelForTokenClassification as TC
 
 def aligned(model):  # see _load in the test file

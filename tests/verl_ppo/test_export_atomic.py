@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests._models import tiny_causal_lm
-from verl_ppo.export import ExportError, export_checkpoint, main, save_model_meta
+from verl_ppo.run.export import ExportError, export_checkpoint, main, save_model_meta
 
 
 def _run_without_critic(run):

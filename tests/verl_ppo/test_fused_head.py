@@ -12,9 +12,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests._models import tiny_causal_lm
 from verl_ppo.algorithms.losses import entropy_from_logits
-from verl_ppo.packing import packed_log_probs
 from verl_ppo.roles.common import sequence_log_probs
 from verl_ppo.roles.fused_head import chunked_head_log_probs, fused_head_unsupported, head_weight
+from verl_ppo.step.packing import packed_log_probs
 
 CUDA = torch.cuda.is_available()
 

@@ -1,4 +1,4 @@
-"""verl_ppo.grad_comm on 2 DeepSpeed processes (CPU, gloo): the reducer in place of
+"""verl_ppo.workers.grad_comm on 2 DeepSpeed processes (CPU, gloo): the reducer in place of
 DeepSpeed's own gradient reduction at ZeRO-0 and ZeRO-1.
 
 * exact hook (torch ``allreduce_hook``): parameters after 3 optimizer steps with
@@ -59,7 +59,7 @@ def _train(rank: int, stage: int, mode: str, bf16: bool = False) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from verl_comm.compression.config import CompressionConfig
-    from verl_ppo.grad_comm import attach_grad_comm
+    from verl_ppo.workers.grad_comm import attach_grad_comm
 
     engine = _engine(stage, bf16)
     handle = None
@@ -97,7 +97,7 @@ def _train(rank: int, stage: int, mode: str, bf16: bool = False) -> dict:
 
 def _refusals() -> dict:
     from verl_comm.compression.config import CompressionConfig
-    from verl_ppo.grad_comm import attach_grad_comm
+    from verl_ppo.workers.grad_comm import attach_grad_comm
 
     out = {}
     engine = _engine(2)

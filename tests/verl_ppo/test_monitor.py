@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from verl_comm.telemetry import rss_bytes
-from verl_ppo.monitor import PrometheusMonitor
+from verl_ppo.observe.monitor import PrometheusMonitor
 
 pytestmark = pytest.mark.timeout(60)
 

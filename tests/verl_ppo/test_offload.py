@@ -72,7 +72,7 @@ def one_rank_nccl():
     """A one-rank NCCL group on this GPU (DeepSpeed adopts it)."""
     import torch.distributed as dist
 
-    from verl_ppo.distributed import free_port
+    from verl_ppo.workers.distributed import free_port
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = str(free_port())
@@ -100,7 +100,7 @@ def test_offload_strategy_steps_on_gpu(one_rank_nccl, stage):
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from verl_ppo.strategy import DeepSpeedStrategy, ds_config
+    from verl_ppo.workers.strategy import DeepSpeedStrategy, ds_config
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

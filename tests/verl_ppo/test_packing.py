@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests._models import tiny_causal_lm
-from verl_ppo.packing import pack, packed_forward, packed_log_probs, packed_values
 from verl_ppo.roles.common import sequence_log_probs
 from verl_ppo.roles.critic import ValueModel
+from verl_ppo.step.packing import pack, packed_forward, packed_log_probs, packed_values
 
 pytestmark = pytest.mark.timeout(120)
 P, R = 5, 6

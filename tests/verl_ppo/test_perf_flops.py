@@ -3,7 +3,7 @@
 import torch
 from transformers import LlamaConfig
 
-from verl_ppo.perf import ModelFlops
+from verl_ppo.observe.perf import ModelFlops
 
 
 def _hand_count(cfg: LlamaConfig, seq_lens: list[int], head_tokens: int) -> int:

@@ -3,7 +3,7 @@
 import pytest
 
 from verl_ppo.config import ConfigError, build_config
-from verl_ppo.fast_path import layouts
+from verl_ppo.job.fast_path import layouts
 
 HE = "actor.model_config.hybrid_engine"
 PP2 = {f"{HE}.enable": True, f"{HE}.training_sharding.pipeline_parallel_size": 2}

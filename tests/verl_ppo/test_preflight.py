@@ -6,7 +6,7 @@ import pytest
 
 from tests.verl_ppo._run import run_job
 from verl_ppo.config import ConfigError, build_config, load_config
-from verl_ppo.preflight import PreflightError, preflight
+from verl_ppo.job.preflight import PreflightError, preflight
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 
@@ -77,7 +77,7 @@ def test_cli_fails_in_the_launcher_once(tmp_path, override, message):
 def test_compression_backend_reward_and_ports(tmp_path):
     import socket
 
-    # one rule (verl_ppo.rules), refused as soon as the config is built
+    # one rule (verl_ppo.job.rules), refused as soon as the config is built
     with pytest.raises(ConfigError, match="needs actor.zero_stage 0 or 1, got 2"):
         build_config({"gradient_compression": "int8", "actor": {"zero_stage": 2}})
     with pytest.raises(ConfigError, match="needs critic.zero_stage 0 or 1, got 3"):

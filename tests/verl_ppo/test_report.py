@@ -1,7 +1,7 @@
 """The step line's compression field, the summary line and the never-compressed notice."""
 
-from verl_ppo.metrics import format_line
-from verl_ppo.report import RunSummary, Sample, comm_part, format_samples
+from verl_ppo.observe.metrics import format_line
+from verl_ppo.observe.report import RunSummary, Sample, comm_part, format_samples
 
 
 def _step(ratio_actor, ratio_critic=None, **extra):

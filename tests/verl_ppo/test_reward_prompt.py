@@ -15,10 +15,10 @@ import torch
 
 from verl_ppo.config import load_config
 from verl_ppo.data.tasks import Task
-from verl_ppo.experience_maker import ExperienceMaker
-from verl_ppo.metrics import PhaseTimer
-from verl_ppo.models import build_policy, load_tokenizer
+from verl_ppo.observe.metrics import PhaseTimer
 from verl_ppo.reward import ModelReward
+from verl_ppo.step.experience_maker import ExperienceMaker
+from verl_ppo.workers.models import build_policy, load_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from verl_ppo.checkpoint import complete_checkpoints, rotate_checkpoints
-from verl_ppo.metrics import MetricsWriter
-from verl_ppo.run_folder import RunDirError, RunDirLock, StopRequest, prepare_run_dir
+from verl_ppo.observe.metrics import MetricsWriter
+from verl_ppo.run.checkpoint import complete_checkpoints, rotate_checkpoints
+from verl_ppo.run.folder import RunDirError, RunDirLock, StopRequest, prepare_run_dir
 
 HOLD = """
 import sys, time
-from verl_ppo.run_folder import RunDirLock
+from verl_ppo.run.folder import RunDirLock
 lock = RunDirLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(60)
@@ -136,7 +136,7 @@ def test_resume_logs_the_keys_that_may_change(tmp_path):
 
 
 def test_resume_rules_table_classifies_by_longest_prefix():
-    from verl_ppo.resume_check import rule_for
+    from verl_ppo.job.resume_check import rule_for
 
     assert rule_for("train.num_steps")[0] and rule_for("comm.timeout_s")[0]
     for key in ("train.rollout_batch_size", "comm.nproc", "model.path", "actor.zero_stage"):
@@ -145,7 +145,7 @@ def test_resume_rules_table_classifies_by_longest_prefix():
 
 
 def test_logged_eval_start_reads_the_step_zero_eval(tmp_path):
-    from verl_ppo.run_folder import logged_eval_start
+    from verl_ppo.run.folder import logged_eval_start
 
     assert logged_eval_start(tmp_path) is None
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/reward": 0.25}\n{"step": 1}\n')
@@ -190,7 +190,7 @@ def test_busy_run_dir_is_refused_before_torch_is_imported(tmp_path):
 
 
 def test_progress_bar_is_off_when_stderr_is_not_a_terminal(capsys):
-    from verl_ppo.metrics import progress_bar
+    from verl_ppo.observe.metrics import progress_bar
 
     bar = progress_bar(4, "ppo")  # pytest captures stderr: not a terminal
     bar.update(2)

@@ -11,7 +11,7 @@ import pytest
 
 from verl_ppo.config import load_config
 from verl_ppo.data.tasks import TASKS, Task, TaskError, is_held_out, split_key
-from verl_ppo.preflight import PreflightError, preflight
+from verl_ppo.job.preflight import PreflightError, preflight
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 # countdown generates an entry in ~20 ms: fewer train draws keep the test in seconds

@@ -101,7 +101,7 @@ def _zero3_deepspeed(rank, world):
     import deepspeed
 
     from verl_ppo.reshard.hybrid import HybridEngine, named_parameters
-    from verl_ppo.strategy import data_parallel_layout
+    from verl_ppo.workers.strategy import data_parallel_layout
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     model = causal_lm(tiny_config("qwen2"), seed=3, train=False)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.verl_ppo._run import ROOT
 from verl_ppo.config import ConfigError, build_config
-from verl_ppo.tracking import (
+from verl_ppo.observe.tracking import (
     JsonlLogger,
     TensorBoardLogger,
     Tracking,
@@ -138,7 +138,7 @@ _WANDB_SCRIPT = textwrap.dedent(
     """
     import sys
     from types import SimpleNamespace
-    from verl_ppo.tracking import build_tracking
+    from verl_ppo.observe.tracking import build_tracking
 
     # train.* as the config's defaults give them (test_wandb_defaults_to_offline), without
     # importing torch for the config tree
@@ -194,7 +194,7 @@ def test_wandb_offline_run_without_network(tmp_path):
 
 def test_resume_never_moves_logger_folders_aside(tmp_path):
     """A fresh start keeps old TensorBoard events and the old wandb run id out of the new run."""
-    from verl_ppo.run_folder import prepare_run_dir
+    from verl_ppo.run.folder import prepare_run_dir
 
     for d in ("tensorboard", "wandb"):
         (tmp_path / d).mkdir()

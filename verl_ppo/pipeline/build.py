@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from verl_ppo.experience import Experience
 from verl_ppo.pipeline.data import gather_pipeline_experience, per_rollout
 from verl_ppo.pipeline.roles import PipelineActor, PipelineCritic, PipelineReference, PipeLoss
 from verl_ppo.pipeline.strategy import PipelineStrategy
 from verl_ppo.pipeline.weights import WeightSource
+from verl_ppo.step.experience import Experience
 
 
 @dataclass
@@ -82,7 +82,7 @@ class PipelineRoles:
 
 def _source(cfg: Any, tokenizer: Any, dtype: torch.dtype) -> WeightSource:
     if cfg.model.tiny is not None:
-        from verl_ppo.models import build_policy
+        from verl_ppo.workers.models import build_policy
 
         policy = build_policy(cfg.model, tokenizer, dtype, cfg.seed)  # seeded as the DP path
         return WeightSource.from_model(policy, dtype)
@@ -101,7 +101,7 @@ def build_pipeline_roles(
 
     Args:
         cfg: the :class:`~verl_ppo.config.PPOConfig`.
-        job: the :class:`~verl_ppo.fast_path.ResolvedJob` (PP degree, ZeRO stages, dtype,
+        job: the :class:`~verl_ppo.job.fast_path.ResolvedJob` (PP degree, ZeRO stages, dtype,
             fused AdamW).
         tokenizer: the policy's tokenizer (vocabulary of a ``model.tiny`` model).
         world_size: all ranks; the data-parallel size is ``world_size / PP``.
@@ -111,7 +111,7 @@ def build_pipeline_roles(
         ValueError / ConfigError: layout or batch sizes that do not fit the world.
     """
     from verl_ppo.reshard.specs import model_param_specs
-    from verl_ppo.strategy import ds_config
+    from verl_ppo.workers.strategy import ds_config
 
     pp, dtype = job.pipeline_parallel_size, job.dtype
     dp = world_size // pp

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from verl_ppo.experience import Experience
+from verl_ppo.step.experience import Experience
 
 
 def _gather(t: torch.Tensor, group: dist.ProcessGroup, n: int) -> list[torch.Tensor]:

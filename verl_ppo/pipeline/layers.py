@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from verl_ppo.model_family import LLAMA_FAMILY, LLAMA_NAMES
+from verl_ppo.job.model_family import LLAMA_FAMILY, LLAMA_NAMES
 
 _PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
 

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from verl_ppo.algorithms import masked_mean
-from verl_ppo.experience import Experience
 from verl_ppo.pipeline.strategy import PipelineStrategy
 from verl_ppo.roles.actor import actor_loss
 from verl_ppo.roles.common import global_token_divisor, response_log_probs
 from verl_ppo.roles.critic import critic_loss
+from verl_ppo.step.experience import Experience
 
 
 class PipeLoss:
@@ -94,7 +94,7 @@ class _PipelineRole:
     ) -> None:
         self.strategy, self.loss, self.algo = strategy, loss, algo
         self.micro_batch_size = micro_batch_size
-        self.grad_comm = None  # verl_comm hooks are refused with PP (see verl_ppo.rules)
+        self.grad_comm = None  # verl_comm hooks are refused with PP (see verl_ppo.job.rules)
 
     @property
     def module(self) -> torch.nn.Module:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_ppo.model_family import LLAMA_NAMES
+from verl_ppo.job.model_family import LLAMA_NAMES
 from verl_ppo.reshard.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class PipelineStrategy:
     """Owns one DeepSpeed ``PipelineEngine`` (one role: actor, critic or reference).
 
     Args:
-        config: DeepSpeed config dict from :func:`verl_ppo.strategy.ds_config` with
+        config: DeepSpeed config dict from :func:`verl_ppo.workers.strategy.ds_config` with
             ``world_size`` = the data-parallel size (world / PP).
         pp: pipeline stages.
         timeout_s: timeout of every group the engine creates (``comm.timeout_s``).

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from verl_ppo.model_family import LLAMA_NAMES
+from verl_ppo.job.model_family import LLAMA_NAMES
 
 
 class WeightSource:

@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from verl_ppo.job.strict_model import StrictModel
 from verl_ppo.reshard.layout import ParallelLayout
-from verl_ppo.strict_model import StrictModel
 
 
 class RolloutSharding(StrictModel):

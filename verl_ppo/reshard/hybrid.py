@@ -98,7 +98,7 @@ class HybridEngine:
             world_group: group of all ranks (None = WORLD).
             recorder: optional comm telemetry for the executor.
             rollout: the rollout layout, when the caller derived it already (the trainer:
-                :func:`verl_ppo.fast_path.layouts`); None = from ``hybrid_cfg``.
+                :func:`verl_ppo.job.fast_path.layouts`); None = from ``hybrid_cfg``.
 
         Raises:
             ValueError: a layout that does not fit, or a sub-group needed without ``ctx``

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from verl_ppo.model_dims import ModelDims, model_dims  # noqa: F401 (re-exported)
-from verl_ppo.model_family import GPT2_NAMES, LLAMA_NAMES
+from verl_ppo.job.model_dims import ModelDims, model_dims  # noqa: F401 (re-exported)
+from verl_ppo.job.model_family import GPT2_NAMES, LLAMA_NAMES
 from verl_ppo.reshard.layout import ParallelLayout, stage_layer_range
 
 Box = tuple[tuple[int, int], ...]

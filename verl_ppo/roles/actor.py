@@ -7,9 +7,9 @@ from typing import Any
 import torch
 
 from verl_ppo.algorithms import POLICY_LOSSES, agg_loss, kl_penalty, masked_mean
-from verl_ppo.experience import Experience
 from verl_ppo.roles.common import forward_in_micro_batches, log_prob_fn, run_update
-from verl_ppo.strategy import DeepSpeedStrategy
+from verl_ppo.step.experience import Experience
+from verl_ppo.workers.strategy import DeepSpeedStrategy
 
 
 class Actor:
@@ -22,7 +22,7 @@ class Actor:
         temperature: rollout temperature (log-probs are of the sampled distribution).
         group: data-parallel process group (None = WORLD); the strategy owns the gradient
             communication (``strategy.grad_comm``).
-        packing: packed sequences (:mod:`verl_ppo.packing`).
+        packing: packed sequences (:mod:`verl_ppo.step.packing`).
         max_tokens_per_micro_batch: token budget of the update's micro-batches (None =
             ``micro_batch_size``); ``max_tokens_no_grad`` (attribute) that of no-grad forwards.
         fused: the chunked LM head (:mod:`verl_ppo.roles.fused_head`).

@@ -41,7 +41,7 @@ def sequence_log_probs(
     """
     pos = position_ids_from(attention_mask)
     if fused:
-        from verl_ppo.model_family import decoder_of
+        from verl_ppo.job.model_family import decoder_of
         from verl_ppo.roles.fused_head import chunked_head_log_probs, head_weight
 
         h = decoder_of(model)(
@@ -100,7 +100,7 @@ def log_prob_fn(packing: bool, fused: bool = False):
     import functools
 
     if packing:
-        from verl_ppo.packing import packed_log_probs
+        from verl_ppo.step.packing import packed_log_probs
 
         return functools.partial(packed_log_probs, fused=fused)
     return functools.partial(sequence_log_probs, fused=fused)
@@ -108,10 +108,10 @@ def log_prob_fn(packing: bool, fused: bool = False):
 
 def micro_batches(exp, micro_batch_size: int, max_tokens: int | None, packing: bool, group=None):
     """Split ``exp`` into micro-batches: fixed ``micro_batch_size`` sequences, or, with a
-    token budget, :func:`verl_ppo.batching.plan_micro_batches` (same count on every rank)."""
+    token budget, :func:`verl_ppo.step.batching.plan_micro_batches` (same count on every rank)."""
     if max_tokens is None:
         return exp.split(micro_batch_size)
-    from verl_ppo.batching import plan_micro_batches
+    from verl_ppo.step.batching import plan_micro_batches
 
     lengths = exp.attention_mask.sum(-1)
     plan = plan_micro_batches(lengths, max_tokens, "packed" if packing else "padded", group)
@@ -131,7 +131,7 @@ def forward_in_micro_batches(
     Args:
         fn: ``micro Experience -> (b, ...)`` tensor.
         micro_batch_size: sequences per micro-batch when ``max_tokens`` is None.
-        max_tokens: token budget (:func:`verl_ppo.batching.token_budget_micro_batches`;
+        max_tokens: token budget (:func:`verl_ppo.step.batching.token_budget_micro_batches`;
             no collective: no-grad forwards need no equal count across ranks).
 
     Returns:
@@ -139,7 +139,7 @@ def forward_in_micro_batches(
     """
     if max_tokens is None:
         return torch.cat([fn(mb) for mb in exp.split(micro_batch_size)], 0)
-    from verl_ppo.batching import token_budget_micro_batches
+    from verl_ppo.step.batching import token_budget_micro_batches
 
     lengths = exp.attention_mask.sum(-1)
     plan = token_budget_micro_batches(lengths, max_tokens, "packed" if packing else "padded")

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from verl_ppo.algorithms import masked_mean, value_loss_clipped
-from verl_ppo.experience import Experience
 from verl_ppo.roles.common import forward_in_micro_batches, position_ids_from, run_update
-from verl_ppo.strategy import DeepSpeedStrategy
+from verl_ppo.step.experience import Experience
+from verl_ppo.workers.strategy import DeepSpeedStrategy
 
 
 class ValueModel(nn.Module):
@@ -72,7 +72,7 @@ class Critic:
 
     def _values(self, exp: Experience) -> torch.Tensor:
         if self.packing:
-            from verl_ppo.packing import packed_values
+            from verl_ppo.step.packing import packed_values
 
             return packed_values(self.module, exp.input_ids, exp.attention_mask, exp.prompt_len)
         v = self.module(exp.input_ids, exp.attention_mask)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from verl_ppo.compiled import CompiledOrEager
+from verl_ppo.step.compiled import CompiledOrEager
 
 CHUNK_ELEMENTS = 1 << 27
 """fp32 elements of one chunk's logits (512 MiB): ``C = CHUNK_ELEMENTS // V`` rows."""

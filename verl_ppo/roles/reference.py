@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from verl_ppo.experience import Experience
 from verl_ppo.roles.common import forward_in_micro_batches, log_prob_fn
+from verl_ppo.step.experience import Experience
 
 
 class Reference:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from verl_ppo.model_family import LLAMA_FAMILY
+from verl_ppo.job.model_family import LLAMA_FAMILY
 from verl_ppo.rollout.generate import (
     RolloutOutput,
     check_prompts,

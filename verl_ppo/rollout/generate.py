@@ -22,9 +22,9 @@ from typing import Protocol
 
 import torch
 
-from verl_ppo.compat import CACHE_KWARG
-from verl_ppo.compiled import eager_layers
+from verl_ppo.job.compat import CACHE_KWARG
 from verl_ppo.rollout.sampler import SamplingParams, filter_logits, sample_next
+from verl_ppo.step.compiled import eager_layers
 
 __all__ = [
     "HFGenerator",

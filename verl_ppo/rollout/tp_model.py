@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_ppo.compiled import CompiledOrEager
-from verl_ppo.model_dims import model_dims
-from verl_ppo.model_family import LLAMA_FAMILY, names_of
+from verl_ppo.job.model_dims import model_dims
+from verl_ppo.job.model_family import LLAMA_FAMILY, names_of
+from verl_ppo.step.compiled import CompiledOrEager
 
 
 @dataclass

@@ -19,11 +19,11 @@ import torch.distributed as dist
 import yaml
 
 from verl_comm.distributed import DistContext
-from verl_ppo.checkpoint import CheckpointManager
 from verl_ppo.config import PPOConfig
 from verl_ppo.data.model_store import resolve_model_path
-from verl_ppo.export import export_live, save_model_meta
-from verl_ppo.run_folder import RunDirError, RunDirLock, prepare_run_dir
+from verl_ppo.run.checkpoint import CheckpointManager
+from verl_ppo.run.export import export_live, save_model_meta
+from verl_ppo.run.folder import RunDirError, RunDirLock, prepare_run_dir
 
 
 class RunFolder:
@@ -100,7 +100,7 @@ class RunFolder:
 
     def export_hf(self, critic: bool | None = None) -> dict[str, Path]:
         """Write the actor (and the critic: ``critic`` or ``train.export_critic``) as HF
-        folders under ``run_dir/hf`` (collective; see :mod:`verl_ppo.export`)."""
+        folders under ``run_dir/hf`` (collective; see :mod:`verl_ppo.run.export`)."""
         want_critic = self.config.train.export_critic if critic is None else critic
         return export_live(self.engines, self.rank, self.config.run_dir, critic=want_critic)
 

@@ -4,9 +4,9 @@ Model: verl's ``verl/utils/tracking.py`` (``trainer.logger: ['console', 'wandb']
 backend is a small adapter with the same two methods, ``log(metrics, step)`` and
 ``close()``, written on the library itself:
 
-- ``console``: one human line per logged step (:func:`verl_ppo.metrics.format_line`).
+- ``console``: one human line per logged step (:func:`verl_ppo.observe.metrics.format_line`).
 - ``jsonl``: ``run_dir/metrics.jsonl``, one object per logged step
-  (:class:`verl_ppo.metrics.MetricsWriter`).
+  (:class:`verl_ppo.observe.metrics.MetricsWriter`).
 - ``tensorboard``: event files under ``run_dir/tensorboard`` through
   ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package); one scalar
   per metric, tagged with the same name as the JSONL key (``timing_s/gen``,
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from verl_ppo.metrics import MetricsWriter, format_line
+from verl_ppo.observe.metrics import MetricsWriter, format_line
 
 #: logger name -> (import name, pip package) of the library it is written on (None: stdlib)
 BACKENDS: dict[str, tuple[str, str] | None] = {
@@ -73,7 +73,7 @@ class ConsoleLogger:
         self.comm_method = comm_method
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Print :func:`~verl_ppo.metrics.format_line` of the step (with the compression
+        """Print :func:`~verl_ppo.observe.metrics.format_line` of the step (with the compression
         field when ``comm_method``, the run's ``gradient_compression``, is set)."""
         self.write(format_line(step, metrics, comm_method=self.comm_method))
 

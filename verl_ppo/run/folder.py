@@ -13,7 +13,7 @@
   are renamed aside with a UTC time stamp
   (``metrics.jsonl.old-20261201T181500Z``), nothing is deleted.
 - **Resume checks the config**: before a resume, the new resolved config is compared with
-  the run's ``config.yaml`` (:mod:`verl_ppo.resume_check`): a key that cannot change
+  the run's ``config.yaml`` (:mod:`verl_ppo.job.resume_check`): a key that cannot change
   mid-run (model, task, algorithm, compression, layouts) refuses the job with the list of
   differences and the ways out; keys that may change (steps, logging, intervals) are logged.
 - **Stop** (:class:`StopRequest`): SIGINT and SIGTERM set a flag; at the next step boundary
@@ -162,7 +162,7 @@ def prepare_run_dir(
         resume: ``train.resume``.
         config: the new job's resolved config (``model_dump(mode="json", by_alias=True)``);
             when given and a checkpoint will be resumed, it is compared with the run's
-            ``config.yaml`` (:func:`verl_ppo.resume_check.check_resume_config`).
+            ``config.yaml`` (:func:`verl_ppo.job.resume_check.check_resume_config`).
 
     Returns:
         Lines to log (what was moved aside, config keys changed on resume); empty when
@@ -172,8 +172,8 @@ def prepare_run_dir(
         RunDirError: ``resume=auto``, ``metrics.jsonl`` present and no complete checkpoint;
             or a resume would change a key that cannot change mid-run.
     """
-    from verl_ppo.checkpoint import latest_checkpoint
-    from verl_ppo.resume_check import ResumeConfigError, check_resume_config
+    from verl_ppo.job.resume_check import ResumeConfigError, check_resume_config
+    from verl_ppo.run.checkpoint import latest_checkpoint
 
     root = Path(run_dir)
     metrics = root / "metrics.jsonl"

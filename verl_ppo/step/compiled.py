@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from verl_ppo.model_family import decoder_layers
+from verl_ppo.job.model_family import decoder_layers
 
 log = logging.getLogger("verl_ppo")
 

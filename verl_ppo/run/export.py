@@ -160,7 +160,7 @@ def engine_state_dict(strategy: Any, rank: int) -> tuple[dict[str, torch.Tensor]
 
 def checkpoint_state_dict(ckpt_dir: str | Path, role: str) -> dict[str, torch.Tensor]:
     """The full module state dict of ``role`` (``actor`` or ``critic``) in a checkpoint
-    folder written by :class:`verl_ppo.checkpoint.CheckpointManager` (one process).
+    folder written by :class:`verl_ppo.run.checkpoint.CheckpointManager` (one process).
 
     ZeRO 0-2: DeepSpeed's ``mp_rank_00_model_states.pt`` holds full module weights.
     ZeRO-3: the fp32 weights are reassembled from every rank's optimizer partition by
@@ -349,7 +349,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
         ExportError: no such complete checkpoint (the ones present are listed), or it is
             damaged (the file and the problem named).
     """
-    from verl_ppo.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
+    from verl_ppo.run.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
 
     root = Path(run_dir) / "checkpoints"
     path = latest_checkpoint(root) if step is None else root / f"step_{step:06d}"

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from verl_ppo.export import EXPORT_DIR, META_DIR, ExportError
-from verl_ppo.metrics import progress_bar
+from verl_ppo.observe.metrics import progress_bar
+from verl_ppo.run.export import EXPORT_DIR, META_DIR, ExportError
 
 
 @dataclass
@@ -46,12 +46,12 @@ def load_model(spec: str, device: str = "cpu") -> LoadedModel:
 
     Raises:
         verl_ppo.data.model_store.ModelStoreError: not a folder and not a cached id.
-        verl_ppo.export.ExportError: a run folder without export or checkpoint.
+        verl_ppo.run.export.ExportError: a run folder without export or checkpoint.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from verl_ppo.data.model_store import resolve_model_path
-    from verl_ppo.models import tokenizer_for_generation
+    from verl_ppo.workers.models import tokenizer_for_generation
 
     run_dir = Path(spec).expanduser()
     run_cfg = None
@@ -63,7 +63,7 @@ def load_model(spec: str, device: str = "cpu") -> LoadedModel:
         if (exported / "config.json").is_file():
             folder = exported
         else:  # no end-of-run export: the latest checkpoint, in memory
-            from verl_ppo.export import checkpoint_state_dict, find_checkpoint
+            from verl_ppo.run.export import checkpoint_state_dict, find_checkpoint
 
             ckpt = find_checkpoint(run_dir)
             meta = run_dir / META_DIR

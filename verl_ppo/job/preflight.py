@@ -12,10 +12,10 @@ mistake costs seconds, not a model load on every rank:
   the hybrid engine on, its heads, KV heads, intermediate size, vocabulary and layers
   against the training and rollout layouts (the same
   :func:`verl_ppo.reshard.engine.build_plan` checks the engine runs later);
-- the rule tables of :mod:`verl_ppo.rules` (the same that every built config passed), now
+- the rule tables of :mod:`verl_ppo.job.rules` (the same that every built config passed), now
   with this machine and the model known: the fast-path switches (``rollout.use_cuda_graph``,
   ``train.sequence_packing``, ...) set explicitly where they cannot apply (no CUDA device,
-  an unsupported model), through :func:`verl_ppo.fast_path.resolve`, the trainer's resolver;
+  an unsupported model), through :func:`verl_ppo.job.fast_path.resolve`, the trainer's resolver;
 - the communication setup: ``comm.backend`` against this machine, ``reward.model``'s spec,
   and that ``comm.master_port`` and ``monitor.prometheus_port`` are free.
 
@@ -30,7 +30,7 @@ import torch
 
 from verl_ppo.config import PPOConfig
 from verl_ppo.errors import ConfigError
-from verl_ppo.fast_path import ModelFacts, layouts, model_config_of, resolve, resolve_stages
+from verl_ppo.job.fast_path import ModelFacts, layouts, model_config_of, resolve, resolve_stages
 
 
 class PreflightError(ValueError):
@@ -40,7 +40,7 @@ class PreflightError(ValueError):
 def check_hybrid_engine(cfg: PPOConfig, world_size: int, model_config: Any) -> None:
     """Training and rollout layouts of ``actor.model_config.hybrid_engine`` against the
     world size and the model's dimensions (no-op when the hybrid engine is off): the
-    layouts of :func:`verl_ppo.fast_path.layouts`, checked by the same
+    layouts of :func:`verl_ppo.job.fast_path.layouts`, checked by the same
     :func:`verl_ppo.reshard.engine.build_plan` the engine runs later.
 
     Raises:
@@ -62,7 +62,7 @@ def check_hybrid_engine(cfg: PPOConfig, world_size: int, model_config: Any) -> N
 
 
 def check_fast_path(cfg: PPOConfig, model_config: Any) -> None:
-    """The rules and every ``auto`` (:func:`verl_ppo.fast_path.resolve`) against this
+    """The rules and every ``auto`` (:func:`verl_ppo.job.fast_path.resolve`) against this
     machine and the model, on a weightless (meta-device) copy of the policy.
 
     Raises:
@@ -83,8 +83,8 @@ def check_comm(cfg: PPOConfig) -> None:
     """
     from pathlib import Path
 
-    from verl_ppo.distributed import resolve_backend
     from verl_ppo.reward.factory import SPECS
+    from verl_ppo.workers.distributed import resolve_backend
 
     try:
         resolve_backend(cfg.comm.backend)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from verl_ppo.model_dims import ModelDims, model_dims
+from verl_ppo.job.model_dims import ModelDims, model_dims
 
 # Dense bf16 tensor-core peak (FLOP/s) and HBM bandwidth (B/s) from NVIDIA's data sheets.
 DEVICE_PEAKS: dict[str, tuple[float, float]] = {

@@ -58,7 +58,7 @@ from verl_comm.reducer import BucketedReducer, make_reducer
 from verl_comm.telemetry import CommRecorder
 
 SUPPORTED_STAGES = (0, 1)
-"""ZeRO stages whose gradients a hook can compress (the config rule, :mod:`verl_ppo.rules`,
+"""ZeRO stages whose gradients a hook can compress (the config rule, :mod:`verl_ppo.job.rules`,
 and :func:`attach_grad_comm` read this)."""
 UNSUPPORTED_STAGE_REASON = (
     "ZeRO-2/3 reduce-scatter each gradient inside their own backward hooks, leaving no full "

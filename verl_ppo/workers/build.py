@@ -4,7 +4,7 @@ for generation, and the reward model.
 
 :class:`Workers` builds them in its constructor (collective where it builds DeepSpeed
 engines) from what it is given; it resolves the one ``auto`` that needs the engines built,
-the token budget (:func:`verl_ppo.fast_path.with_token_budget`), and exposes the result as
+the token budget (:func:`verl_ppo.job.fast_path.with_token_budget`), and exposes the result as
 :attr:`Workers.job`.
 """
 
@@ -21,9 +21,8 @@ from verl_comm.distributed import DistContext
 from verl_comm.telemetry import CommRecorder
 from verl_ppo.config import Derived, PPOConfig
 from verl_ppo.data.tasks import Task
-from verl_ppo.fast_path import ResolvedJob, with_token_budget
-from verl_ppo.models import build_policy, build_value_model, check_uniform_dtype
-from verl_ppo.perf import ModelFlops, device_peaks
+from verl_ppo.job.fast_path import ResolvedJob, with_token_budget
+from verl_ppo.observe.perf import ModelFlops, device_peaks
 from verl_ppo.pipeline.build import PipelineRoles, build_pipeline_roles
 from verl_ppo.reshard.hybrid import HybridEngine
 from verl_ppo.reward import build_reward_model
@@ -31,7 +30,8 @@ from verl_ppo.reward.base import RewardModel
 from verl_ppo.reward.cache import CachedReward
 from verl_ppo.reward.rule import RuleReward
 from verl_ppo.roles import Actor, Critic, Reference
-from verl_ppo.strategy import DeepSpeedStrategy, ds_config
+from verl_ppo.workers.models import build_policy, build_value_model, check_uniform_dtype
+from verl_ppo.workers.strategy import DeepSpeedStrategy, ds_config
 
 
 def build_reward(cfg: PPOConfig, task: Task, device: torch.device, timeout_s: float) -> RewardModel:
@@ -62,7 +62,7 @@ class Workers:
         task: the prompt source (its scorer is the rule reward).
         recorder: communication telemetry of the gradient hooks and the reshard engine.
         log: the rank's logger (rank 0 reports the engines and the ``fast path:`` lines).
-        rollout_layout: the hybrid engine's rollout layout (:func:`verl_ppo.fast_path.layouts`),
+        rollout_layout: the hybrid engine's rollout layout (:func:`verl_ppo.job.fast_path.layouts`),
             None when it is off.
 
     Attributes:
@@ -111,7 +111,7 @@ class Workers:
             )
 
     def grad_comm(self) -> dict[str, Any]:
-        """Role -> active :class:`~verl_ppo.grad_comm.GradCommHandle` (empty when DeepSpeed
+        """Role -> active :class:`~verl_ppo.workers.grad_comm.GradCommHandle` (empty when DeepSpeed
         reduces the gradients itself)."""
         return {
             role: s.grad_comm
@@ -135,7 +135,7 @@ class Workers:
         if cfg.algorithm.adv_estimator == "gae":
             value_model = build_value_model(policy, dtype).to(self.device)
         if job.torch_compile:  # after every copy: the compiled wrappers are not copied
-            from verl_ppo.compiled import compile_decoder_layers
+            from verl_ppo.step.compiled import compile_decoder_layers
 
             for m in (policy, ref_model, value_model):
                 if m is not None:
@@ -195,7 +195,7 @@ class Workers:
     def _size_token_budget(self, model_config: Any) -> None:
         """``train.max_tokens_per_micro_batch: auto``: on CUDA, from the memory free now
         (engines built; the smallest over ranks), resolved by
-        :func:`verl_ppo.fast_path.with_token_budget`; the roles get the result."""
+        :func:`verl_ppo.job.fast_path.with_token_budget`; the roles get the result."""
         free = None
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]

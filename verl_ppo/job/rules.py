@@ -6,13 +6,13 @@ wrong, naming the keys as the user wrote them with their values, or None; its fi
 written beside it. :data:`RULES` holds them all.
 
 The ``auto`` switches have their own table, :data:`SWITCHES`: for each, what blocks it
-(the config, the device, the model). :func:`verl_ppo.fast_path.resolve` turns an ``auto``
+(the config, the device, the model). :func:`verl_ppo.job.fast_path.resolve` turns an ``auto``
 off where something blocks it, and :func:`check` refuses an explicit ``true`` with the
 same reason, so a rule is never written twice.
 
 :func:`check` runs both tables. It runs three times on the same code: when a config is
 built (:func:`verl_ppo.config.build_config`: stages resolved, device and model not judged
-yet), in :func:`verl_ppo.preflight.preflight` and when the trainer resolves its job (device
+yet), in :func:`verl_ppo.job.preflight.preflight` and when the trainer resolves its job (device
 and model known). Nothing here imports the trainer or builds a model.
 """
 
@@ -36,7 +36,7 @@ class Facts:
         actor_stage, critic_stage: the ZeRO stages the job runs (``auto`` resolved).
         cuda: the job runs on CUDA; None = not judged yet (a config being built: the
             device is judged by preflight and the trainer, which know the model too).
-        model: :class:`verl_ppo.fast_path.ModelFacts` of the policy, or None (not known).
+        model: :class:`verl_ppo.job.fast_path.ModelFacts` of the policy, or None (not known).
     """
 
     actor_stage: int
@@ -61,7 +61,7 @@ def trained_roles(cfg: Any) -> tuple[str, ...]:
 
 def several_updates(cfg: Any) -> str | None:
     """Why the policy is updated more than once per rollout (None: once, which is what
-    ``algorithm.old_log_prob: bypass`` needs; see :func:`verl_ppo.fast_path.resolve`)."""
+    ``algorithm.old_log_prob: bypass`` needs; see :func:`verl_ppo.job.fast_path.resolve`)."""
     t = cfg.train
     if t.ppo_epochs == 1 and t.rollout_batch_size == t.ppo_mini_batch_size:
         return None
@@ -126,7 +126,7 @@ def _registered(key: str) -> Callable[[Any, Facts], str | None]:
 
 
 def _loggers(cfg: Any, f: Facts) -> str | None:
-    from verl_ppo.tracking import missing_backends
+    from verl_ppo.observe.tracking import missing_backends
 
     v = cfg.train.logger
     if len(set(v)) != len(v):
@@ -169,12 +169,12 @@ def _offload_compression(cfg: Any, f: Facts, role: str) -> str | None:
     return (
         f"{role}.offload_optimizer=true cannot be combined with gradient_compression={method}: "
         "with offload, DeepSpeed's ZeRO optimizer copies gradients to the CPU inside its own "
-        "reduction, so no comm hook can compress them (verl_ppo/grad_comm.py)"
+        "reduction, so no comm hook can compress them (verl_ppo/workers/grad_comm.py)"
     )
 
 
 def _compression_stage(cfg: Any, f: Facts, role: str) -> str | None:
-    from verl_ppo.grad_comm import SUPPORTED_STAGES, UNSUPPORTED_STAGE_REASON
+    from verl_ppo.workers.grad_comm import SUPPORTED_STAGES, UNSUPPORTED_STAGE_REASON
 
     method, stage = cfg.compression.gradient_compression, f.stage(role)
     if method == "none" or role not in trained_roles(cfg) or stage in SUPPORTED_STAGES:
@@ -204,7 +204,7 @@ def _pp_offload(cfg: Any, f: Facts, role: str) -> str | None:
 
 
 def _pp_tiny(cfg: Any, f: Facts) -> str | None:
-    from verl_ppo.model_family import LLAMA_FAMILY
+    from verl_ppo.job.model_family import LLAMA_FAMILY
 
     tiny = cfg.model.tiny
     if tiny is None or tiny.get("model_type", "llama") in LLAMA_FAMILY:

@@ -1,5 +1,5 @@
 """One PPO step and the held-out evaluation, as phases timed by a
-:class:`~verl_ppo.metrics.PhaseTimer`:
+:class:`~verl_ppo.observe.metrics.PhaseTimer`:
 
 rollout (reshard -> gen -> reward) -> old_log_prob -> ref -> values -> adv -> update_critic
 -> update_actor
@@ -25,12 +25,12 @@ from verl_ppo.algorithms import (
     masked_mean,
 )
 from verl_ppo.config import Derived, PPOConfig
-from verl_ppo.experience import Experience
-from verl_ppo.experience_maker import ExperienceMaker, rollout_metrics
-from verl_ppo.fast_path import ResolvedJob
-from verl_ppo.metrics import PhaseTimer
-from verl_ppo.perf import phase_perf
-from verl_ppo.report import Sample
+from verl_ppo.job.fast_path import ResolvedJob
+from verl_ppo.observe.metrics import PhaseTimer
+from verl_ppo.observe.perf import phase_perf
+from verl_ppo.observe.report import Sample
+from verl_ppo.step.experience import Experience
+from verl_ppo.step.experience_maker import ExperienceMaker, rollout_metrics
 
 SAMPLES_SHOWN = 3  # held-out prompt/response/reward triples printed at start and end
 
@@ -120,7 +120,7 @@ class PPOStep:
     def _score_tokens(self, exp: Experience, timer: PhaseTimer) -> None:
         """Phases ``old_log_prob``, ``ref`` and (GAE) ``values``: fill ``exp``'s ``(B, R)``
         log-probs under the rollout policy and the reference, and the critic's values."""
-        if self.job.bypass_old_log_prob:  # see verl_ppo.fast_path._old_log_prob
+        if self.job.bypass_old_log_prob:  # see verl_ppo.job.fast_path._old_log_prob
             exp.old_log_prob = exp.rollout_log_prob
         else:
             with timer.phase("old_log_prob"):
@@ -183,7 +183,7 @@ class PPOStep:
 
     def _perf_metrics(self, times: dict[str, float], exp: Experience) -> dict[str, float]:
         """The resolved ``auto`` settings (``auto/*``), MFU per model phase
-        (``perf/mfu/<phase>``, :mod:`verl_ppo.perf`) and decode tokens/s against its floor."""
+        (``perf/mfu/<phase>``, :mod:`verl_ppo.observe.perf`) and decode tokens/s against its floor."""
         out = dict(self.job.metrics())
         out.update(
             phase_perf(
@@ -234,7 +234,7 @@ class PPOStep:
         """Mean reward of greedy responses on the held-out split (all ranks, collective).
 
         Args:
-            keep: when given, this rank appends :class:`verl_ppo.report.Sample` triples
+            keep: when given, this rank appends :class:`verl_ppo.observe.report.Sample` triples
                 (question, response, reward) of its first ``SAMPLES_SHOWN`` prompts to it.
         """
         n = len(self.task.eval)

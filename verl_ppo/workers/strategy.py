@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from verl_comm.compression.config import CompressionConfig
 from verl_comm.telemetry import CommRecorder
-from verl_ppo.grad_comm import GradCommHandle, attach_grad_comm
+from verl_ppo.workers.grad_comm import GradCommHandle, attach_grad_comm
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class DeepSpeedStrategy:
 
         Raises:
             ValueError: compression with an unsupported engine setup (see
-                :func:`verl_ppo.grad_comm.attach_grad_comm`).
+                :func:`verl_ppo.workers.grad_comm.attach_grad_comm`).
         """
         import deepspeed  # on first use: its import takes seconds and probes accelerators
 

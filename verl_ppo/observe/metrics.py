@@ -87,7 +87,7 @@ class MetricsWriter:
 
 def format_line(step: int, m: dict[str, float], comm_method: str | None = None) -> str:
     """The human log line of a step: reward, eval, KL, entropy, clip, value loss, length, speed,
-    compression (method and ratio per role, see :func:`verl_ppo.report.comm_part`), phases."""
+    compression (method and ratio per role, see :func:`verl_ppo.observe.report.comm_part`), phases."""
     keys = [
         ("reward", "reward/mean"),
         ("eval", "eval/reward"),
@@ -108,7 +108,7 @@ def format_line(step: int, m: dict[str, float], comm_method: str | None = None) 
         if k.startswith("timing_s/") and k != "timing_s/step"
     ]
     if comm_method is not None and "reward/mean" in m:  # a training step
-        from verl_ppo.report import comm_part
+        from verl_ppo.observe.report import comm_part
 
         parts.append(comm_part(m, comm_method))
     return " | ".join(parts) + (" | " + " ".join(phases) if phases else "")

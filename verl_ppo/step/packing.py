@@ -23,7 +23,7 @@ The log-probs additionally skip the LM head on positions that predict nothing
 (``logits_to_keep`` as a 1D index tensor), which matters for large vocabularies.
 
 Cost note: with sdpa/eager the block-diagonal mask is dense ``(T, T)``; bound ``T`` with
-the token budget of :mod:`verl_ppo.batching` (one packed row per micro-batch).
+the token budget of :mod:`verl_ppo.step.batching` (one packed row per micro-batch).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def packed_log_probs(
     src = pb.src_index[keep]  # their flat (b*L + l) index; the target is at src + 1
     targets = input_ids.reshape(-1)[src + 1]
     if fused:
-        from verl_ppo.model_family import decoder_of
+        from verl_ppo.job.model_family import decoder_of
         from verl_ppo.roles.fused_head import chunked_head_log_probs, head_weight
 
         h = decoder_of(model)(

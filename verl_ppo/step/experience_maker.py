@@ -1,5 +1,5 @@
 """The rollout of one PPO step: prompts -> (reshard) -> generation -> scoring -> an
-:class:`~verl_ppo.experience.Experience`.
+:class:`~verl_ppo.step.experience.Experience`.
 
 OpenRLHF's ``experience_maker.py`` is the model: the trainer asks for one rank's experience
 and gets a typed batch back; log-probs, values and advantages are filled in by the phases
@@ -20,14 +20,14 @@ import torch
 
 from verl_ppo.config import Derived, PPOConfig
 from verl_ppo.data.tasks import Task
-from verl_ppo.experience import Experience
-from verl_ppo.metrics import PhaseTimer
+from verl_ppo.observe.metrics import PhaseTimer
 from verl_ppo.reward.async_scorer import AsyncRewardScorer
 from verl_ppo.reward.base import RewardBatch, RewardModel
 from verl_ppo.roles import Actor
 from verl_ppo.rollout.generate import RolloutOutput, response_mask_from
 from verl_ppo.rollout.runner import RolloutRunner
 from verl_ppo.rollout.sampler import SamplingParams
+from verl_ppo.step.experience import Experience
 
 
 class ExperienceMaker:
@@ -47,7 +47,7 @@ class ExperienceMaker:
             (``comm.timeout_s``: a hung reward fails here rather than in the next collective).
         hybrid: the :class:`~verl_ppo.reshard.hybrid.HybridEngine`, or None.
         profiler: receives the rollout time and batch size (``record_rollout``).
-        use_cuda_graph: the resolved ``rollout.use_cuda_graph`` (:mod:`verl_ppo.fast_path`).
+        use_cuda_graph: the resolved ``rollout.use_cuda_graph`` (:mod:`verl_ppo.job.fast_path`).
     """
 
     def __init__(

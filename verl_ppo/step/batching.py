@@ -4,7 +4,7 @@ A fixed ``micro_batch_size`` (sequences) wastes memory on short batches and runs
 on long ones. Here a batch's sequences are split into micro-batches whose token cost stays
 under ``max_tokens_per_micro_batch``:
 
-- ``packed`` cost (with :mod:`verl_ppo.packing`): the sum of the valid lengths;
+- ``packed`` cost (with :mod:`verl_ppo.step.packing`): the sum of the valid lengths;
 - ``padded`` cost (the plain forward): ``len(micro) * max(lengths in micro)``.
 
 Algorithm (sequences sorted by length, descending, ties by index, so the result is

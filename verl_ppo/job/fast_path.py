@@ -4,7 +4,7 @@ start as ``fast path:`` lines and as ``auto/<key>`` metrics: 1 = on, 0 = off, or
 resolved number).
 
 ``auto`` means "on where supported"; what blocks each switch is written once, in
-:data:`verl_ppo.rules.SWITCHES` (an explicit ``true`` that cannot apply is refused with
+:data:`verl_ppo.job.rules.SWITCHES` (an explicit ``true`` that cannot apply is refused with
 the same reason, naming the field and the fix):
 
 - ``actor.zero_stage`` / ``critic.zero_stage``: 1 on CUDA (optimizer state partitioned over
@@ -20,7 +20,7 @@ the same reason, naming the field and the fix):
 - ``train.fused_log_probs``: the chunked LM head (:mod:`verl_ppo.roles.fused_head`)
   wherever the head allows it (no bias or logit scaling; not ZeRO-3 partitioned).
 - ``train.torch_compile``: regional ``torch.compile`` of the decoder layers of the actor,
-  reference and critic (:mod:`verl_ppo.compiled`) on CUDA; off on the CPU, with ZeRO-3
+  reference and critic (:mod:`verl_ppo.step.compiled`) on CUDA; off on the CPU, with ZeRO-3
   (refused if set) and with gradient checkpointing (allowed if set).
 - ``actor.optim.fused`` / ``critic.optim.fused``: torch's fused AdamW on CUDA.
 - ``algorithm.old_log_prob``: ``bypass`` with one PPO epoch and one mini-batch, else
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from verl_ppo.rules import (
+from verl_ppo.job.rules import (
     PP_KEY,
     SWITCHES,
     Facts,
@@ -73,7 +73,7 @@ class ModelFacts:
     @classmethod
     def of(cls, policy: Any) -> ModelFacts:
         """The facts of a HF causal LM (a meta-device copy is enough)."""
-        from verl_ppo.model_family import decoder_layers
+        from verl_ppo.job.model_family import decoder_layers
         from verl_ppo.roles.fused_head import fused_head_unsupported
         from verl_ppo.rollout.cuda_graph import static_decoding_unsupported
 
@@ -99,7 +99,7 @@ def model_config_of(cfg: Any) -> Any:
     """The HF config the run will build its policy from, without loading weights.
 
     ``model.tiny``: the config built from those fields (vocabulary from the tokenizer, as
-    :func:`verl_ppo.models.build_policy` does); otherwise the folder's ``config.json``.
+    :func:`verl_ppo.workers.models.build_policy` does); otherwise the folder's ``config.json``.
 
     Raises:
         verl_ppo.data.model_store.ModelStoreError: no usable model folder.
@@ -110,7 +110,7 @@ def model_config_of(cfg: Any) -> Any:
     from verl_ppo.data.model_store import resolve_model_path
 
     if cfg.model.tiny is not None:
-        from verl_ppo.models import _tiny_config, load_tokenizer
+        from verl_ppo.workers.models import _tiny_config, load_tokenizer
 
         return _tiny_config(cfg.model, load_tokenizer(cfg.model))
     return AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
@@ -180,7 +180,7 @@ def resolve_stages(cfg: Any, cuda: bool) -> tuple[int, int, dict[str, str]]:
 
 
 def check_config(cfg: Any) -> None:
-    """The rule tables (:mod:`verl_ppo.rules`) for a config being built: ZeRO stages
+    """The rule tables (:mod:`verl_ppo.job.rules`) for a config being built: ZeRO stages
     resolved for this machine; the device and the model are judged later (preflight, the
     trainer), so a config can be written on a machine that will not run it.
 
@@ -193,7 +193,7 @@ def check_config(cfg: Any) -> None:
 
 def _switch(value: Any, why: str | None) -> tuple[bool, str]:
     """``auto``/bool against ``why`` (None = supported); explicit ``true`` against a
-    reason was refused by :func:`verl_ppo.rules.check`."""
+    reason was refused by :func:`verl_ppo.job.rules.check`."""
     if value == "auto":
         return why is None, ("on (auto)" if why is None else f"off (auto: {why})")
     return bool(value), ("on" if value else "off") + " (set)"
@@ -262,7 +262,7 @@ def _old_log_prob(cfg: Any) -> tuple[bool, str]:
     before the update, then uses the rollout's log-probs: the sampler's
     ``log_softmax(logits / T)`` of the same weights (bf16 decode instead of the training
     forward; verl calls using the rollout's log-probs as old log-probs bypass mode).
-    ``bypass`` with several updates is refused by :data:`verl_ppo.rules.RULES`.
+    ``bypass`` with several updates is refused by :data:`verl_ppo.job.rules.RULES`.
     """
     mode, why = cfg.algorithm.old_log_prob, several_updates(cfg)
     if mode != "auto":
@@ -276,7 +276,7 @@ def layouts(cfg: Any, world_size: int, actor_zero_stage: int) -> tuple[Any, Any]
     """The hybrid engine's training and rollout layouts for ``world_size`` ranks (None when
     it is off), after checking the batch sizes against the ranks, and against the ranks of
     one pipeline when the actor trains pipeline-parallel. The one place the layouts are
-    derived from the config; :func:`verl_ppo.preflight.preflight` checks them against the
+    derived from the config; :func:`verl_ppo.job.preflight.preflight` checks them against the
     model.
 
     Raises:
@@ -345,7 +345,7 @@ def training_bytes_per_token(model_config: Any, dtype_bytes: int, checkpointing:
     residuals; gate, up, activation, product), plus two fp32 hidden-sized norm inputs.
     With gradient checkpointing only the layer inputs are kept, plus one layer's full set.
     """
-    from verl_ppo.model_dims import model_dims
+    from verl_ppo.job.model_dims import model_dims
 
     d = model_dims(model_config)
     layer = dtype_bytes * (12 * d.hidden + 4 * d.intermediate) + 2 * 4 * d.hidden

@@ -4,8 +4,8 @@ shard specs, the TP rollout model and the pipeline stages read), the base model 
 causal LM and its repeated decoder layers.
 
 Used by the fused LM head (:mod:`verl_ppo.roles.fused_head`), packed forwards
-(:mod:`verl_ppo.packing`), regional compilation (:mod:`verl_ppo.compiled`) and the job's
-model facts (:mod:`verl_ppo.fast_path`); it imports none of them.
+(:mod:`verl_ppo.step.packing`), regional compilation (:mod:`verl_ppo.step.compiled`) and the job's
+model facts (:mod:`verl_ppo.job.fast_path`); it imports none of them.
 """
 
 from __future__ import annotations

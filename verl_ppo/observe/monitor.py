@@ -6,7 +6,7 @@ page is unauthenticated); other ranks create nothing. Gauges live in a private
 and the process-global default registry stays untouched.
 
 The trainer calls :meth:`PrometheusMonitor.update` with its step metrics (the namespaced
-keys of :mod:`verl_ppo.metrics`); the mapping is:
+keys of :mod:`verl_ppo.observe.metrics`); the mapping is:
 
 ==========================================  ==================================================
 trainer key                                  Prometheus series

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from verl_ppo.model_family import LLAMA_FAMILY
+from verl_ppo.job.model_family import LLAMA_FAMILY
 
 
 @dataclass(frozen=True)
