@@ -19,4 +19,4 @@ def test_default_job_smoke(tmp_path):
     assert len({x["run_id"] for x in recs}) == 1
     assert {x["step"] for x in recs if x["metric"] == "eval_reward"} == {0, 2}
     assert (tmp_path / "default_job.smoke.png").stat().st_size > 1000
-    assert "Target (issue 17)" in (tmp_path / "default_job.smoke.md").read_text()
+    assert "Target: every seed" in (tmp_path / "default_job.smoke.md").read_text()

@@ -14,9 +14,10 @@ the same reason, naming the field and the fix):
 - ``rollout.use_cuda_graph``: on with CUDA when the static-cache decoder supports the model
   (Llama family, GPT-2; default RoPE; no sliding window) and the weights are readable in
   place (ZeRO 0-2, or the hybrid engine's TP shards at any ZeRO stage).
-- ``train.sequence_packing``: on when the model's attention runs packed rows as varlen
-  kernels (flash-attention); off with sdpa/eager, which would need a dense ``(T, T)`` mask
-  per packed row (quadratic in the token budget).
+- ``train.sequence_packing``: on when packed rows run as varlen kernels: the model's own
+  flash-attention, or on CUDA in bf16 torch's ``varlen_attn`` (:mod:`verl_ppo.step.varlen`);
+  off otherwise (sdpa/eager would need a dense ``(T, T)`` mask per packed row, quadratic in
+  the token budget).
 - ``train.fused_log_probs``: the chunked LM head (:mod:`verl_ppo.roles.fused_head`)
   wherever the head allows it (no bias or logit scaling; not ZeRO-3 partitioned).
 - ``train.torch_compile``: regional ``torch.compile`` of the decoder layers of the actor,

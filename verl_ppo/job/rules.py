@@ -368,10 +368,13 @@ def _packing(cfg: Any, f: Facts, auto: bool) -> str | None:
         )
     attn = None if f.model is None else f.model.attention
     if auto and attn is not None and "flash" not in attn:  # set: any attention (dense mask)
-        return (
-            f"attention is {attn}: a packed row needs a dense (T, T) mask; flash-attention "
-            "runs it varlen"
-        )
+        from verl_ppo.step.varlen import available
+
+        why_not = "no CUDA device" if f.cuda is False else available()
+        if why_not is None and "float32" in (cfg.amp_dtype, cfg.model.dtype):
+            why_not = "the weights run in float32 (torch's varlen kernels take bf16/fp16)"
+        if why_not is not None:  # torch's varlen kernels run the packed row on CUDA
+            return f"attention is {attn} and {why_not}: a packed row would need a dense (T, T) mask"
     return None
 
 

@@ -22,14 +22,18 @@ detection instead of flash-attn's ``unpad_input``.
 The log-probs additionally skip the LM head on positions that predict nothing
 (``logits_to_keep`` as a 1D index tensor), which matters for large vocabularies.
 
-Cost note: with sdpa/eager the block-diagonal mask is dense ``(T, T)``; bound ``T`` with
-the token budget of :mod:`verl_ppo.step.batching` (one packed row per micro-batch).
+Which attention runs the packed row (:func:`packed_attention`): flash-attention models as
+above; on CUDA otherwise torch's own varlen kernels (:mod:`verl_ppo.step.varlen`, no mask);
+on the CPU the dense block-diagonal mask. With a dense mask the cost is ``(T, T)``: bound
+``T`` with the token budget of :mod:`verl_ppo.step.batching` (one packed row per micro-batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -117,6 +121,22 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
     )
 
 
+def packed_attention(model: torch.nn.Module, pb: PackedBatch):
+    """``(context, kwargs)`` for one packed forward of ``model`` on ``pb``.
+
+    torch's varlen attention (:mod:`verl_ppo.step.varlen`) when the batch is on CUDA and the
+    model's attention is not flash-attention already; otherwise no change (flash-attention
+    finds the sequences from ``position_ids``; sdpa/eager get the dense block-diagonal mask).
+    """
+    from verl_ppo.step import varlen
+
+    attn = str(getattr(getattr(model, "module", model).config, "_attn_implementation", ""))
+    if not pb.input_ids.is_cuda or "flash" in attn or varlen.available() is not None:
+        return contextlib.nullcontext(), {}
+    varlen.register()
+    return varlen.varlen_model(model), varlen.packed_kwargs(pb.seq_lens)
+
+
 def packed_forward(
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     input_ids: torch.Tensor,
@@ -137,6 +157,13 @@ def packed_forward(
     """
     pb = pack(input_ids, attention_mask)
     return pb.unpack(fn(pb.input_ids, pb.position_ids), fill)
+
+
+def _run_packed(model: torch.nn.Module, pb: PackedBatch, call: Callable[..., Any]) -> Any:
+    """``call(**kwargs)`` inside :func:`packed_attention`'s context for ``model``."""
+    ctx, kwargs = packed_attention(model, pb)
+    with ctx:
+        return call(**kwargs)
 
 
 def _response_predictors(attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -187,22 +214,32 @@ def packed_log_probs(
         from verl_ppo.job.model_family import decoder_of
         from verl_ppo.roles.fused_head import chunked_head_log_probs, head_weight
 
-        h = decoder_of(model)(
-            input_ids=pb.input_ids,
-            position_ids=pb.position_ids,
-            attention_mask=None,
-            use_cache=False,
+        h = _run_packed(
+            model,
+            pb,
+            lambda **kw: decoder_of(model)(
+                input_ids=pb.input_ids,
+                position_ids=pb.position_ids,
+                attention_mask=None,
+                use_cache=False,
+                **kw,
+            ),
         ).last_hidden_state[0, keep]
         logp, ent_k = chunked_head_log_probs(
             h, head_weight(model), targets, temperature, with_entropy
         )
     else:
-        out = model(
-            input_ids=pb.input_ids,
-            position_ids=pb.position_ids,
-            attention_mask=None,
-            use_cache=False,
-            logits_to_keep=keep,
+        out = _run_packed(
+            model,
+            pb,
+            lambda **kw: model(
+                input_ids=pb.input_ids,
+                position_ids=pb.position_ids,
+                attention_mask=None,
+                use_cache=False,
+                logits_to_keep=keep,
+                **kw,
+            ),
         )
         logits = out.logits[0].float()  # (K, V)
         if logits.shape[0] != keep.numel():
@@ -243,10 +280,17 @@ def packed_values(
         them, 0 where the position is padding.
     """
 
-    def fn(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        h = value_model.backbone(
-            input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False
-        ).last_hidden_state
-        return value_model.value_head(h).squeeze(-1).float()
-
-    return packed_forward(fn, input_ids, attention_mask)[:, prompt_len - 1 : -1]
+    pb = pack(input_ids, attention_mask)
+    h = _run_packed(
+        value_model.backbone,
+        pb,
+        lambda **kw: value_model.backbone(
+            input_ids=pb.input_ids,
+            position_ids=pb.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            **kw,
+        ),
+    ).last_hidden_state
+    values = value_model.value_head(h).squeeze(-1).float()
+    return pb.unpack(values)[:, prompt_len - 1 : -1]
