@@ -251,15 +251,20 @@ def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
 
 def write(recs: list[dict], out: Path, stem: str) -> None:
     """Append ``recs`` to ``<stem>.jsonl``; generate ``<stem>.md`` and ``<stem>.png`` from them."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{stem}.jsonl", "a") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+    render(recs, out, stem)
+
+
+def render(recs: list[dict], out: Path, stem: str) -> None:
+    """``<stem>.md`` and ``<stem>.png`` from the records of one run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{stem}.jsonl", "a") as f:
-        for r in recs:
-            f.write(json.dumps(r) + "\n")
     per_seed = [r for r in recs if r["metric"] == "eval_gain"]
     target = next(r for r in recs if r["metric"] == "target")
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -292,20 +297,22 @@ def write(recs: list[dict], out: Path, stem: str) -> None:
         "",
         f"{m['device']}, torch {m['versions']['torch']}, {m['date']}, "
         f"run_id {m['run_id']}. Wall time is the whole command (model load, DeepSpeed init, "
-        "evals, checkpoint); the CPU is shared with other users, so the 1-minute load "
+        "evals, checkpoint); `train s` is the sum of the steps' own times (start-up and evals "
+        "excluded). The CPU is shared with other users, so the 1-minute load "
         "average is recorded and `cpu_s` (CPU seconds of the launcher and its ranks) is "
         "the contention-free cost. `ran with seeds`: the seeds whose runs overlapped in time "
         "(each carries the others' load too).",
         "",
         "| seed | commit | started (UTC) | ran with seeds | eval start | eval end | gain | wall s "
-        "| cpu s | load 1m start/end | clip frac step 1 / max | ppo_kl step 1 |",
-        "|---:|---|---|---|---:|---:|---:|---:|---:|---|---|---:|",
+        "| train s | cpu s | load 1m start/end | clip frac step 1 / max | ppo_kl step 1 |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in per_seed:
         lines.append(
             f"| {r['seed']} | {r['commit']} | {r['started']} | {r['overlapping_seeds'] or '-'} "
             f"| {r['eval_start']:.3f} | {r['eval_end']:.3f} | {r['value']:+.3f} "
-            f"| {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['load_1m_start']:.1f} / "
+            f"| {r['wall_s']:.0f} | {r.get('train_wall_s', '-')} | {r['cpu_s']:.0f} "
+            f"| {r['load_1m_start']:.1f} / "
             f"{r['load_1m_end']:.1f} | {r['clipfrac_step1'] or 0:.4f} / {r['clipfrac_max']:.4f} "
             f"| {r['ppo_kl_step1'] or 0:.3g} |"
         )

@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen05b", choices=sorted(SHAPES))
     p.add_argument("--batch", type=int, default=128, help="sequences per update")
-    p.add_argument("--micro", type=int, default=16, help="sequences per micro-batch")
+    p.add_argument(
+        "--micro", type=int, default=64, help="sequences per micro-batch (configs/gpu.yaml: 64)"
+    )
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     p.add_argument("--min-response", type=int, default=16)
     p.add_argument("--max-response", type=int, default=256)
