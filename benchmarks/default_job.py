@@ -19,6 +19,7 @@ Runs ``python -m verl_ppo.train --config configs/default.yaml seed=S`` once per 
     python benchmarks/default_job.py --seeds 0 1 2 --collect  # ... the records of all later
     python benchmarks/default_job.py --smoke --out /tmp/x     # CI: tiny model, 2 seeds x 2 steps
     python benchmarks/default_job.py --job gpu_job            # configs/gpu.yaml on one GPU
+    python benchmarks/default_job.py --set gradient_compression=int8 --tag int8  # int8 hooks
 
 ``--job gpu_job`` runs ``configs/gpu.yaml`` and writes ``gpu_job.{jsonl,md,png}``; its target
 (issue 33): every seed gains >= 0.5 on the held-out eval within 2 minutes of training
@@ -348,11 +349,23 @@ def main(argv: list[str] | None = None) -> int:
         "--collect", action="store_true", help="only write the records of seeds already run"
     )
     p.add_argument("--run-only", action="store_true", help="run the seeds, write no records")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every seed (recorded in 'overrides'), e.g. "
+        "gradient_compression=int8",
+    )
+    p.add_argument("--tag", default=None, help="records into <job>.<tag>.* (with --set)")
     a = p.parse_args(argv)
-    config, extra, stem = JOBS[a.job][0], [], a.job
-    a.runs = a.runs or f"runs/{a.job}"
+    config, extra = JOBS[a.job][0], list(a.set)
+    stem = f"{a.job}.{a.tag}" if a.tag else a.job
+    if extra and not a.tag:
+        p.error("--set changes the job: name its records with --tag")
+    a.runs = a.runs or f"runs/{stem}"
     if a.smoke:
-        extra = [
+        extra += [
             "model.tiny={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
             "num_attention_heads: 4, num_key_value_heads: 2}",
             "train.num_steps=2",
@@ -361,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             "rollout.eval_max_new_tokens=8",
             "train.keep_last_checkpoints=1",
         ]
-        stem, a.seeds, a.runs = f"{a.job}.smoke", a.seeds[:2], str(Path(a.out) / "runs")
+        stem, a.seeds, a.runs = f"{stem}.smoke", a.seeds[:2], str(Path(a.out) / "runs")
     cfg = load_config(REPO / config, extra)
     meta = {
         "benchmark": a.job,
