@@ -290,8 +290,9 @@ def _lowrank_reference(m: Method, world: int) -> float | None:
     algorithm (same inputs, Q, residuals and RNG; exact all-reduces) over all its
     low-rank buckets; None when no bucket took the low-rank path (policy auto)."""
     from verl_comm.compression.collective import ProcessGroupCollective
-    from verl_comm.compression.lowrank import FactorWire, LowRankBucketState
+    from verl_comm.compression.lowrank import LowRankBucketState
     from verl_comm.compression.lowrank import lowrank_int8_allreduce as lowrank
+    from verl_comm.compression.lowrank_plan import FactorWire
     from verl_comm.hooks._core import bucket_plan
 
     st = m.state

@@ -47,6 +47,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _ppo_workload (model shapes)
+
+from _ppo_workload import SHAPES  # noqa: E402
 
 from verl_ppo.roles.common import sequence_log_probs  # noqa: E402
 from verl_ppo.rollout.cuda_graph import StaticCacheDecoder  # noqa: E402
@@ -54,14 +57,9 @@ from verl_ppo.rollout.generate import generate  # noqa: E402
 from verl_ppo.step.batching import token_budget_micro_batches  # noqa: E402
 from verl_ppo.step.packing import packed_log_probs  # noqa: E402
 
-QWEN05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-)
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers")
+_SHAPE_KEYS += ("num_attention_heads", "num_key_value_heads", "vocab_size")
+QWEN05B = {k: SHAPES["qwen05b"][k] for k in _SHAPE_KEYS}
 SMOKE = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -265,6 +263,60 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(cuda)
 
     # ---------------- numerics first; a method that fails is reported and not timed
+    dec, gdec, numerics, failed = _check_numerics(a, model, prompt, pmask, ids, mask, cuda)
+    lengths = mask.sum(-1)
+    budget = a.max_tokens or a.micro_batch_size * (P + R)
+    plan = token_budget_micro_batches(lengths, budget, mode="packed")
+    print(f"numerics {numerics}; failed {failed}; packed plan {len(plan)} micro-batches")
+
+    # ---------------- timed rounds (methods interleaved within each round)
+    k = a.micro_batch_size
+    gen_kw = dict(max_new_tokens=R, eos_token_id=-1, pad_token_id=0, do_sample=False)
+    methods = {
+        ("rollout", "eager_dynamic_cache"): lambda: generate(model, prompt, pmask, **gen_kw),
+        ("rollout", "static_cache"): lambda: dec.generate(prompt, pmask, **gen_kw),
+        ("rollout", "cuda_graph"): lambda: gdec.generate(prompt, pmask, **gen_kw),
+        ("train_fwd_bwd", "padded"): lambda: train_padded(model, ids, mask, P, k),
+        ("train_fwd_bwd", "packed"): lambda: train_packed(model, ids, mask, P, plan),
+    }
+    if gdec is None:
+        methods.pop(("rollout", "cuda_graph"))
+    times = _time_rounds(a, model, methods, timer, failed, cuda)
+
+    common = {
+        "benchmark": "checklist",
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "python": sys.version.split()[0],
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+        "model": {k: getattr(a, k) for k in QWEN05B} | {"model_type": a.model_type},
+        "dtype": a.dtype,
+        "batch": B,
+        "prompt_len": P,
+        "response_len": R,
+        "rounds": a.rounds,
+        "numerics": numerics,
+        "failed": failed,
+    }
+    rows = _rows(a, common, times, int(lengths.sum()), len(plan))
+    with open(out_dir / "checklist.jsonl", "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    lines = _markdown(a, common, rows, int(lengths.sum()), len(plan), cuda)
+    (out_dir / "checklist.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if failed else 0
+
+
+def _check_numerics(a, model, prompt, pmask, ids, mask, cuda: bool):
+    """The static-cache decoder (and on CUDA its graph) against the eager rollout, and the
+    packed log-probs against the padded ones, each against an fp32 copy of the model.
+    Returns ``(decoder, graph decoder or None, numerics, failed: method -> why)``."""
+    P, R = a.prompt_len, a.response_len
     failed: dict[str, str] = {}
     dec = StaticCacheDecoder(model, P + R, use_cuda_graph=False)
     gdec = None
@@ -292,22 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     del ref_model
     if cuda:
         torch.cuda.empty_cache()
-    lengths = mask.sum(-1)
-    budget = a.max_tokens or a.micro_batch_size * (P + R)
-    plan = token_budget_micro_batches(lengths, budget, mode="packed")
-    print(f"numerics {numerics}; failed {failed}; packed plan {len(plan)} micro-batches")
+    return dec, gdec, numerics, failed
 
-    # ---------------- timed rounds (methods interleaved within each round)
-    gen_kw = dict(max_new_tokens=R, eos_token_id=-1, pad_token_id=0, do_sample=False)
-    methods = {
-        ("rollout", "eager_dynamic_cache"): lambda: generate(model, prompt, pmask, **gen_kw),
-        ("rollout", "static_cache"): lambda: dec.generate(prompt, pmask, **gen_kw),
-        ("rollout", "cuda_graph"): lambda: gdec.generate(prompt, pmask, **gen_kw),
-        ("train_fwd_bwd", "padded"): lambda: train_padded(model, ids, mask, P, k),
-        ("train_fwd_bwd", "packed"): lambda: train_packed(model, ids, mask, P, plan),
-    }
-    if gdec is None:
-        methods.pop(("rollout", "cuda_graph"))
+
+def _time_rounds(a, model, methods: dict, timer, failed: dict, cuda: bool) -> dict:
+    """Warm-up and timed rounds, every method once per round in a fixed order; a method that
+    failed (numerics or while timing) is dropped and named in ``failed``. Returns
+    ``(item, method) -> seconds of each timed round``."""
     times: dict[tuple[str, str], list[float]] = {}
     for r in range(a.warmup + a.rounds):
         for (item, name), fn in list(methods.items()):
@@ -328,34 +371,20 @@ def main(argv: list[str] | None = None) -> int:
             if r >= a.warmup:
                 times.setdefault((item, name), []).append(t)
         print(f"round {r} done", flush=True)
+    return times
 
-    gen_tokens, valid_tokens, padded_tokens = B * R, int(lengths.sum()), B * (P + R)
-    common = {
-        "benchmark": "checklist",
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-            "python": sys.version.split()[0],
-        },
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
-        "model": {k: getattr(a, k) for k in QWEN05B} | {"model_type": a.model_type},
-        "dtype": a.dtype,
-        "batch": B,
-        "prompt_len": P,
-        "response_len": R,
-        "rounds": a.rounds,
-        "numerics": numerics,
-        "failed": failed,
-    }
+
+def _rows(a, common: dict, times: dict, valid_tokens: int, n_packed: int) -> list[dict]:
+    """One record per timed method: tokens/s (generated for rollout, valid for training)."""
+    B, P, R, k = a.batch, a.prompt_len, a.response_len, a.micro_batch_size
+    gen_tokens, padded_tokens = B * R, B * (P + R)
     rows = []
     for (item, name), ts in times.items():
         med = statistics.median(ts)
         tok = gen_tokens if item == "rollout" else valid_tokens
         n_micro = None
         if item == "train_fwd_bwd":
-            n_micro = len(plan) if name == "packed" else -(-B // k)
+            n_micro = n_packed if name == "packed" else -(-B // k)
         rows.append(
             common
             | {
@@ -371,14 +400,20 @@ def main(argv: list[str] | None = None) -> int:
                 "micro_batches": n_micro,
             }
         )
-    with open(out_dir / "checklist.jsonl", "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def _markdown(
+    a, common: dict, rows: list[dict], valid_tokens: int, n_packed: int, cuda: bool
+) -> list[str]:
+    """The lines of ``checklist.md``: the table with speed-ups against the plain method of
+    each item, the numerics and every failure."""
+    B, P, R, k = a.batch, a.prompt_len, a.response_len, a.micro_batch_size
     base = {"rollout": "eager_dynamic_cache", "train_fwd_bwd": "padded"}
     ref = {r["item"]: r["value"] for r in rows if r["method"] == base[r["item"]]}
     lines = [
         f"# checklist ({common['device']}, {a.dtype}, B={B}, P={P}, R={R}, "
-        f"{a.num_hidden_layers}L h{a.hidden_size} V{a.vocab_size}, commit {commit}, "
+        f"{a.num_hidden_layers}L h{a.hidden_size} V{a.vocab_size}, commit {common['commit']}, "
         f"{common['date']})",
         "",
         "| item | method | tokens/s | median s | speed-up vs off |",
@@ -392,19 +427,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += [
         "",
-        f"Numerics (checked before timing): {numerics}.",
+        f"Numerics (checked before timing): {common['numerics']}.",
         "Rollout counts generated tokens (greedy, EOS off, R per sequence); training counts "
-        f"valid tokens ({valid_tokens} of {padded_tokens} padded); packed = packing + "
-        f"token-budget micro-batches ({len(plan)} vs {-(-B // k)}) + LM head only on "
+        f"valid tokens ({valid_tokens} of {B * (P + R)} padded); packed = packing + "
+        f"token-budget micro-batches ({n_packed} vs {-(-B // k)}) + LM head only on "
         "positions that predict a response token.",
     ]
     if not cuda:
         lines.append("cuda_graph not measured: no CUDA.")
-    for name, why in failed.items():
+    for name, why in common["failed"].items():
         lines.append(f"FAILED {name}: {why}")
-    (out_dir / "checklist.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 1 if failed else 0
+    return lines
 
 
 if __name__ == "__main__":

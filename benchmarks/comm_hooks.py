@@ -120,6 +120,8 @@ from _comm_hooks_methods import (  # noqa: E402 - after the checkout is importab
     non_default,
 )
 
+from verl_comm.profiler import intervals  # noqa: E402
+
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 
 
@@ -207,13 +209,72 @@ def host_syncs(method: Method, x: torch.Tensor) -> int:
     return sum("synchroniz" in str(w.message) for w in rec)
 
 
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
+def _warm_up_and_check(
+    args: argparse.Namespace,
+    methods: dict[str, Method],
+    names: list[str],
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> tuple[dict[str, dict], list[str]]:
+    """Warm-up rounds at lr 0 (the last one captured), then the numerics check; returns the
+    checks and the methods every rank passed (the ones to time)."""
+    for step in range(args.warmup):  # lr 0: weights stay identical across methods
+        x = _batch(args, rank, step, device)
+        last = step == args.warmup - 1
+        for m in methods.values():
+            m.capture.on = last
+            m.step(x)
+            m.capture.on = False
+        if rank == 0:
+            print(f"[{args.transport}] warm-up round {step} done", flush=True)
+    _sync(device)
+    checks = _check(methods, world)
+    for m in methods.values():
+        m.capture.items.clear()
+    flags = torch.tensor([float(checks[n]["ok"]) for n in names], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank times the same methods
+    timed = [n for n, f in zip(names, flags.tolist()) if f > 0]
+    if not timed:
+        raise SystemExit("no method passed the numerics check; nothing to time")
+    if rank == 0:
+        for n in names:
+            c = checks[n]
+            print(f"[{args.transport}] numerics {n:24s} ok={c['ok']} rel={c['rel_error']} {c['why']}",
+                  flush=True)  # fmt: skip
+    return checks, timed
+
+
+def _time_rounds(
+    args: argparse.Namespace,
+    methods: dict[str, Method],
+    timed: list[str],
+    rank: int,
+    device: torch.device,
+    rounds: int,
+    cuda: bool,
+) -> tuple[dict[str, list[float]], dict[str, dict]]:
+    """``rounds`` rounds, methods interleaved (rotated each round); then one more step per
+    method for its host syncs (CUDA) or its probed busy time (CPU). Returns the step times
+    (ms) per method and those extras."""
+    times: dict[str, list[float]] = {n: [] for n in timed}
+    for r in range(rounds):
+        x = _batch(args, rank, args.warmup + r, device)
+        order = timed[r % len(timed) :] + timed[: r % len(timed)]
+        for n in order:
+            times[n].append(_timed(methods[n], x))
+    extra: dict[str, dict] = {n: {} for n in timed}
+    x = _batch(args, rank, args.warmup + rounds, device)
+    for n in timed:
+        m = methods[n]
+        if cuda:
+            extra[n]["host_syncs_per_step"] = host_syncs(m, x)
+        else:
+            m.probe.on = True
+            step_ms = _timed(m, x)
+            m.probe.on = False
+            extra[n]["probe"] = (step_ms, intervals.total(m.probe.spans) * 1e3)
+    return times, extra
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -244,49 +305,11 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             print(f"[{transport}] built {len(methods)} methods in {time.perf_counter() - t0:.1f} s",
                   flush=True)  # fmt: skip
-        for step in range(args.warmup):  # lr 0: weights stay identical across methods
-            x = _batch(args, rank, step, device)
-            last = step == args.warmup - 1
-            for m in methods.values():
-                m.capture.on = last
-                m.step(x)
-                m.capture.on = False
-            if rank == 0:
-                print(f"[{transport}] warm-up round {step} done", flush=True)
-        _sync(device)
-        checks = _check(methods, world)
-        for m in methods.values():
-            m.capture.items.clear()
-        flags = torch.tensor([float(checks[n]["ok"]) for n in names], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank times the same methods
-        timed = [n for n, f in zip(names, flags.tolist()) if f > 0]
-        if not timed:
-            raise SystemExit("no method passed the numerics check; nothing to time")
-        if rank == 0:
-            for n in names:
-                c = checks[n]
-                print(f"[{transport}] numerics {n:24s} ok={c['ok']} rel={c['rel_error']} {c['why']}",
-                      flush=True)  # fmt: skip
+        checks, timed = _warm_up_and_check(args, methods, names, rank, world, device)
         for m in methods.values():
             for g in m.opt.param_groups:
                 g["lr"] = args.lr
-        times = {n: [] for n in timed}
-        for r in range(rounds):
-            x = _batch(args, rank, args.warmup + r, device)
-            order = timed[r % len(timed) :] + timed[: r % len(timed)]
-            for n in order:
-                times[n].append(_timed(methods[n], x))
-        extra = {n: {} for n in timed}
-        x = _batch(args, rank, args.warmup + rounds, device)
-        for n in timed:
-            m = methods[n]
-            if cuda:
-                extra[n]["host_syncs_per_step"] = host_syncs(m, x)
-            else:
-                m.probe.on = True
-                step_ms = _timed(m, x)
-                m.probe.on = False
-                extra[n]["probe"] = (step_ms, _union(m.probe.spans) * 1e3)
+        times, extra = _time_rounds(args, methods, timed, rank, device, rounds, cuda)
         local_t = torch.tensor([times[n] for n in timed], dtype=torch.float64, device=device)
         all_t = [torch.zeros_like(local_t) for _ in range(world)]
         dist.all_gather(all_t, local_t)

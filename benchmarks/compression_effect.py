@@ -14,11 +14,9 @@ must finish its steps with finite metrics. Records: ``<out>/compression_effect.j
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -77,15 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         a.steps, a.seeds = 2, [0]
     import torch
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+    from verl_comm.bench.env import commit, now_iso, versions
+
     meta = {
         "benchmark": "compression_effect",
         "device": f"cpu ({os.cpu_count()} cores), 2 gloo ranks",
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit or "unknown",
+        "versions": versions(),
+        "date": now_iso(),
+        "commit": commit(),
         "model": "tiny" if a.smoke else "SmolLM2-135M-Instruct",
         "task": "configs/long_grpo.yaml (basic_arithmetic, 1 digit, GRPO n=4)",
         "steps": a.steps,

@@ -149,85 +149,16 @@ def check(rows: list[dict], num_steps: int) -> tuple[float, float]:
 
 def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
     """The JSON records of one run (all seeds, one ``run_id``)."""
-    import calendar
-
     _, gain_min, wall_max, wall_key = JOBS[meta["benchmark"]]
-
-    def span(res: dict) -> tuple[float, float]:
-        t0 = calendar.timegm(time.strptime(res["started"], "%Y-%m-%dT%H:%M:%SZ"))
-        return t0, t0 + res["wall_s"]
-
-    def overlapping(seed: int) -> list[int]:
-        a0, a1 = span(results[seed])
-        tol = 2.0  # s: "started" is truncated to the second, so back-to-back runs touch
-        return [
-            s
-            for s, r in results.items()
-            if s != seed and span(r)[0] < a1 - tol and a0 < span(r)[1] - tol
-        ]
-
     out = []
     starts, gains, walls = [], [], []
     for seed, res in sorted(results.items()):
-        e0, e1 = check(res["rows"], num_steps)
-        steps = [r for r in res["rows"] if "reward/mean" in r]
-        first = next(r for r in steps if r["step"] == 1)
-        train_wall = sum(r["timing_s/step"] for r in steps)
-        starts.append(e0)
-        gains.append(e1 - e0)
-        walls.append(train_wall if wall_key == "train_wall_s" else res["wall_s"])
-        out.append(
-            {
-                **meta,
-                "metric": "eval_gain",
-                "value": e1 - e0,
-                "unit": "reward",
-                "seed": seed,
-                "eval_start": e0,
-                "eval_end": e1,
-                "wall_s": round(res["wall_s"], 1),
-                "train_wall_s": round(train_wall, 1),
-                "cpu_s": round(res["cpu_s"], 1),
-                "load_1m_start": round(res["load_1m_start"], 2),
-                "load_1m_end": round(res["load_1m_end"], 2),
-                "steps": num_steps,
-                "clipfrac_step1": first.get("actor/pg_clipfrac"),
-                "clipfrac_max": max(r.get("actor/pg_clipfrac") or 0.0 for r in steps),
-                # > 0 only if step 1's first mini-batch update changed the actor (the second
-                # mini-batch is scored by the updated policy against the rollout's)
-                "ppo_kl_step1": first.get("actor/ppo_kl"),
-                "tokens_per_s": sum(r["perf/tokens"] for r in steps) / max(train_wall, 1e-9),
-                "summary_line": res["summary_line"],
-                "started": res.get("started"),
-                "commit": res.get("commit", meta["commit"]),
-                # a seed run before "dirty" was recorded: unknown, not the collecting tree's
-                "dirty": res.get("dirty") if "commit" in res else meta.get("dirty"),
-                "overlapping_seeds": overlapping(seed),
-            }
-        )
-        for r in res["rows"]:
-            if r.get("eval/reward") is not None:
-                out.append(
-                    {
-                        **meta,
-                        "metric": "eval_reward",
-                        "value": r["eval/reward"],
-                        "unit": "reward",
-                        "seed": seed,
-                        "step": r["step"],
-                    }
-                )
-            if "reward/mean" in r:
-                out.append(
-                    {
-                        **meta,
-                        "metric": "train_reward",
-                        "value": r["reward/mean"],
-                        "unit": "reward",
-                        "seed": seed,
-                        "step": r["step"],
-                    }
-                )
+        rec = _seed_record(results, seed, meta, num_steps)
+        starts.append(rec["eval_start"])
+        gains.append(rec["value"])
+        walls.append(rec[wall_key])
+        out.append(rec)
+        out += _curve_records(res["rows"], seed, meta)
     spread = max(starts) - min(starts)
     met = min(gains) >= gain_min and min(gains) > spread
     out.append(
@@ -247,6 +178,90 @@ def records(results: dict[int, dict], meta: dict, num_steps: int) -> list[dict]:
             "wall_target_met": max(walls) < wall_max,
         }
     )
+    return out
+
+
+def _span(res: dict) -> tuple[float, float]:
+    """A seed run's start and end (s since the epoch)."""
+    import calendar
+
+    t0 = calendar.timegm(time.strptime(res["started"], "%Y-%m-%dT%H:%M:%SZ"))
+    return t0, t0 + res["wall_s"]
+
+
+def _overlapping(results: dict[int, dict], seed: int) -> list[int]:
+    """The other seeds whose runs overlapped ``seed``'s in time."""
+    a0, a1 = _span(results[seed])
+    tol = 2.0  # s: "started" is truncated to the second, so back-to-back runs touch
+    return [
+        s
+        for s, r in results.items()
+        if s != seed and _span(r)[0] < a1 - tol and a0 < _span(r)[1] - tol
+    ]
+
+
+def _seed_record(results: dict[int, dict], seed: int, meta: dict, num_steps: int) -> dict:
+    """The ``eval_gain`` record of one seed: its held-out gain, cost and step-1 statistics."""
+    res = results[seed]
+    e0, e1 = check(res["rows"], num_steps)
+    steps = [r for r in res["rows"] if "reward/mean" in r]
+    first = next(r for r in steps if r["step"] == 1)
+    train_wall = sum(r["timing_s/step"] for r in steps)  # the steps' own times
+    return {
+        **meta,
+        "metric": "eval_gain",
+        "value": e1 - e0,
+        "unit": "reward",
+        "seed": seed,
+        "eval_start": e0,
+        "eval_end": e1,
+        "wall_s": round(res["wall_s"], 1),
+        "train_wall_s": round(train_wall, 1),
+        "cpu_s": round(res["cpu_s"], 1),
+        "load_1m_start": round(res["load_1m_start"], 2),
+        "load_1m_end": round(res["load_1m_end"], 2),
+        "steps": num_steps,
+        "clipfrac_step1": first.get("actor/pg_clipfrac"),
+        "clipfrac_max": max(r.get("actor/pg_clipfrac") or 0.0 for r in steps),
+        # > 0 only if step 1's first mini-batch update changed the actor (the second
+        # mini-batch is scored by the updated policy against the rollout's)
+        "ppo_kl_step1": first.get("actor/ppo_kl"),
+        "tokens_per_s": sum(r["perf/tokens"] for r in steps) / max(train_wall, 1e-9),
+        "summary_line": res["summary_line"],
+        "started": res.get("started"),
+        "commit": res.get("commit", meta["commit"]),
+        # a seed run before "dirty" was recorded: unknown, not the collecting tree's
+        "dirty": res.get("dirty") if "commit" in res else meta.get("dirty"),
+        "overlapping_seeds": _overlapping(results, seed),
+    }
+
+
+def _curve_records(rows: list[dict], seed: int, meta: dict) -> list[dict]:
+    """One ``eval_reward`` / ``train_reward`` record per logged step of one seed."""
+    out = []
+    for r in rows:
+        if r.get("eval/reward") is not None:
+            out.append(
+                {
+                    **meta,
+                    "metric": "eval_reward",
+                    "value": r["eval/reward"],
+                    "unit": "reward",
+                    "seed": seed,
+                    "step": r["step"],
+                }
+            )
+        if "reward/mean" in r:
+            out.append(
+                {
+                    **meta,
+                    "metric": "train_reward",
+                    "value": r["reward/mean"],
+                    "unit": "reward",
+                    "seed": seed,
+                    "step": r["step"],
+                }
+            )
     return out
 
 

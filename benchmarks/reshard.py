@@ -50,9 +50,11 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing (GPU machine)
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _ppo_workload (model shapes)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _ppo_workload import SHAPES  # noqa: E402
 
 from verl_comm.bench.env import dirty  # noqa: E402
 from verl_comm.distributed import DistContext  # noqa: E402
@@ -76,18 +78,9 @@ _ENGINE_ARGS = {
 
 
 def qwen25_05b() -> SimpleNamespace:
-    """Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B)."""
-    return SimpleNamespace(
-        model_type="qwen2",
-        num_hidden_layers=24,
-        hidden_size=896,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=4864,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    )
+    """Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B), as the PPO benchmarks use it."""
+    shape = SHAPES["qwen05b"]
+    return SimpleNamespace(**shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"])
 
 
 def small_qwen(world: int) -> SimpleNamespace:
@@ -146,105 +139,124 @@ def bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
             full = random_full_state(plan.specs, seed=0, dtype=dtype, device=device)
         model_bytes = sum(t.numel() * t.element_size() for t in full.values())
         shards = emulated_train_shards(plan, rank, full)
-        expected = expected_rollout(plan, rank, full)
-        for m, eng in engines.items():  # numerics first
-            got = eng.reshard(shards)
-            # a reshard only moves bytes (no arithmetic): bit-equality holds on any CPU
-            bad = [k for k in expected if k not in got or not torch.equal(got[k], expected[k])]
-            if bad:
-                raise RuntimeError(
-                    f"{m} {train.describe()}->{roll.describe()} rank {rank}: {len(bad)} wrong "
-                    f"shards, e.g. {bad[:3]}"
-                )
-            del got
-        del expected
-        times: dict[str, list[float]] = {m: [] for m in METHODS}
-        peaks: dict[str, int] = {m: 0 for m in METHODS}
-        phases: dict[str, list[tuple]] = {m: [] for m in METHODS}  # (pack, wire, unpack) s
-        stats = {}
-        for i in range(opts["warmup"] + opts["rounds"]):
-            for m, eng in engines.items():
-                dist.barrier()
-                if cuda:
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                    base = torch.cuda.memory_allocated(device)
-                    ev0, ev1 = (
-                        torch.cuda.Event(enable_timing=True),
-                        torch.cuda.Event(enable_timing=True),
-                    )
-                    ev0.record()
-                    got = eng.reshard(shards)
-                    ev1.record()
-                    torch.cuda.synchronize(device)
-                    dt = ev0.elapsed_time(ev1) / 1e3
-                    peak = torch.cuda.max_memory_allocated(device) - base
-                else:
-                    t0 = time.perf_counter()
-                    got = eng.reshard(shards)
-                    dt = time.perf_counter() - t0
-                    peak = eng.last_stats.peak_extra_bytes
-                del got
-                t = torch.tensor([dt], dtype=torch.float64, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                if i >= opts["warmup"]:
-                    times[m].append(t.item())
-                    ls = eng.last_stats
-                    phases[m].append((ls.pack_s, ls.wire_s, ls.unpack_s))
-                peaks[m] = max(peaks[m], peak)
-                stats[m] = eng.last_stats
+        pair = f"{train.describe()}->{roll.describe()} rank {rank}"
+        _check_numerics(engines, shards, expected_rollout(plan, rank, full), pair)
+        times, peaks, phases, stats = _time_methods(engines, shards, opts, device)
         for m in METHODS:
-            s = stats[m]
-            counted = s.counted_received is not None  # the engine counts at its calls
-            pairwise = (
-                pairwise_mismatches(
-                    s.counted_sent_per_peer, s.counted_received_per_peer, device=device
-                )
-                if counted
-                else None
-            )
-            vals = torch.tensor(
-                [
-                    s.bytes_received,
-                    s.lower_bound_bytes,
-                    peaks[m],
-                    s.bytes_sent,
-                    s.counted_received if counted else -1,
-                ],
-                dtype=torch.float64,
-                device=device,
-            )
-            dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-            split = {"pack_s": None, "wire_s": None, "unpack_s": None}
-            if phases[m] and phases[m][0][0] is not None:  # the engine measures its phases
-                med = [statistics.median(x[k] for x in phases[m]) for k in range(3)]
-                pw = torch.tensor(med, dtype=torch.float64, device=device)
-                dist.all_reduce(pw, op=dist.ReduceOp.MAX)  # the slowest rank's, as time_s
-                split = dict(zip(split, pw.tolist()))
+            row = _method_row(stats[m], times[m], peaks[m], phases[m], model_bytes, device)
             out.append(
                 {
                     "method": m,
                     "train_layout": train.describe(),
                     "rollout_layout": roll.describe(),
                     "rollout_rank_order": list(engines[m].plan.rollout.rank_order or range(world)),
-                    "time_s": statistics.median(times[m]),
-                    "time_min_s": min(times[m]),
-                    "time_max_s": max(times[m]),
-                    "repeats": len(times[m]),
-                    "bytes_per_rank": int(vals[0].item()),
-                    "lower_bound_bytes": int(vals[1].item()),
-                    "peak_extra_bytes": int(vals[2].item()),
-                    "bytes_sent_per_rank": int(vals[3].item()),
-                    "bytes_counted_per_rank": int(vals[4].item()) if counted else None,
-                    "counts_pairwise_mismatches": pairwise,
-                    "model_bytes": model_bytes,
-                    "buckets": s.buckets,
-                    **split,
+                    **row,
                     "numerics_ok": True,
                 }
             )
         del shards, engines
     return out
+
+
+def _check_numerics(engines: dict, shards: dict, expected: dict, pair: str) -> None:
+    """Every method's rollout shards equal the ones sliced from full weights (bit for bit:
+    a reshard only moves bytes, no arithmetic, so equality holds on any CPU)."""
+    for m, eng in engines.items():
+        got = eng.reshard(shards)
+        bad = [k for k in expected if k not in got or not torch.equal(got[k], expected[k])]
+        if bad:
+            raise RuntimeError(f"{m} {pair}: {len(bad)} wrong shards, e.g. {bad[:3]}")
+        del got
+
+
+def _timed_reshard(eng: ReshardEngine, shards: dict, device: torch.device) -> tuple[float, int]:
+    """One reshard: seconds (CUDA events on GPU) and peak extra bytes (measured on GPU, the
+    executor's own count on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        got = eng.reshard(shards)
+        ev1.record()
+        torch.cuda.synchronize(device)
+        del got
+        return ev0.elapsed_time(ev1) / 1e3, torch.cuda.max_memory_allocated(device) - base
+    t0 = time.perf_counter()
+    got = eng.reshard(shards)
+    dt = time.perf_counter() - t0
+    del got
+    return dt, eng.last_stats.peak_extra_bytes
+
+
+def _time_methods(engines: dict, shards: dict, opts: dict, device: torch.device):
+    """Warm-up then timed rounds, methods interleaved in each round; per method the times
+    (the slowest rank's), the peak extra bytes, the (pack, wire, unpack) seconds of each
+    timed round, and the last :class:`ReshardStats`."""
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    peaks: dict[str, int] = {m: 0 for m in METHODS}
+    phases: dict[str, list[tuple]] = {m: [] for m in METHODS}  # (pack, wire, unpack) s
+    stats = {}
+    for i in range(opts["warmup"] + opts["rounds"]):
+        for m, eng in engines.items():
+            dist.barrier()
+            dt, peak = _timed_reshard(eng, shards, device)
+            t = torch.tensor([dt], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= opts["warmup"]:
+                times[m].append(t.item())
+                ls = eng.last_stats
+                phases[m].append((ls.pack_s, ls.wire_s, ls.unpack_s))
+            peaks[m] = max(peaks[m], peak)
+            stats[m] = eng.last_stats
+    return times, peaks, phases, stats
+
+
+def _method_row(
+    s, times: list[float], peak: int, phases: list[tuple], model_bytes: int, device
+) -> dict:
+    """One method's record fields: median/min/max time and, the largest over the ranks,
+    bytes moved, lower bound, peak, counted bytes and phase split (collective)."""
+    counted = s.counted_received is not None  # the engine counts at its calls
+    pairwise = (
+        pairwise_mismatches(s.counted_sent_per_peer, s.counted_received_per_peer, device=device)
+        if counted
+        else None
+    )
+    vals = torch.tensor(
+        [
+            s.bytes_received,
+            s.lower_bound_bytes,
+            peak,
+            s.bytes_sent,
+            s.counted_received if counted else -1,
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+    split = {"pack_s": None, "wire_s": None, "unpack_s": None}
+    if phases and phases[0][0] is not None:  # the engine measures its phases
+        med = [statistics.median(x[k] for x in phases) for k in range(3)]
+        pw = torch.tensor(med, dtype=torch.float64, device=device)
+        dist.all_reduce(pw, op=dist.ReduceOp.MAX)  # the slowest rank's, as time_s
+        split = dict(zip(split, pw.tolist()))
+    return {
+        "time_s": statistics.median(times),
+        "time_min_s": min(times),
+        "time_max_s": max(times),
+        "repeats": len(times),
+        "bytes_per_rank": int(vals[0].item()),
+        "lower_bound_bytes": int(vals[1].item()),
+        "peak_extra_bytes": int(vals[2].item()),
+        "bytes_sent_per_rank": int(vals[3].item()),
+        "bytes_counted_per_rank": int(vals[4].item()) if counted else None,
+        "counts_pairwise_mismatches": pairwise,
+        "model_bytes": model_bytes,
+        "buckets": s.buckets,
+        **split,
+    }
 
 
 def _versions() -> dict:

@@ -13,10 +13,8 @@ Records: one per logged step (``metric: reward_mean``, ``response_length``) and 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -45,17 +43,15 @@ def write(steps: list[dict], evals: list[dict], out: Path, stem: str, title: str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import torch
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+    from verl_comm.bench.env import commit, now_iso, versions
+
     meta = {
         "benchmark": "reward_curve",
         "device": f"cpu ({os.cpu_count()} cores), 2 gloo ranks",
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit or "unknown",
+        "versions": versions(),
+        "date": now_iso(),
+        "commit": commit(),
         "run": title,
     }
     out.mkdir(parents=True, exist_ok=True)

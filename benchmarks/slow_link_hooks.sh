@@ -20,20 +20,8 @@ OUT=${1:?usage: bash benchmarks/slow_link_hooks.sh OUTDIR [RATE_MBIT]}
 MBIT=${2:-1000}
 PY=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
-command -v tc >/dev/null && command -v ip >/dev/null || { echo "needs iproute2 (ip, tc)" >&2; exit 1; }
-TAG=$$
-NS0=vch0_$TAG NS1=vch1_$TAG V0=vcha$TAG V1=vchb$TAG
-cleanup() { ip netns del "$NS0" 2>/dev/null; ip netns del "$NS1" 2>/dev/null; }
-trap cleanup EXIT INT TERM
-ip netns add "$NS0" && ip netns add "$NS1" || exit 1
-ip link add "$V0" type veth peer name "$V1" || exit 1
-ip link set "$V0" netns "$NS0" && ip link set "$V1" netns "$NS1" || exit 1
-ip -n "$NS0" addr add 10.77.0.1/24 dev "$V0" && ip -n "$NS1" addr add 10.77.0.2/24 dev "$V1"
-for ns in "$NS0" "$NS1"; do ip -n "$ns" link set lo up; done
-ip -n "$NS0" link set "$V0" up && ip -n "$NS1" link set "$V1" up || exit 1
-# both directions: each end shapes what it sends
-tc -n "$NS0" qdisc add dev "$V0" root tbf rate "${MBIT}mbit" burst 256kb latency 100ms || exit 1
-tc -n "$NS1" qdisc add dev "$V1" root tbf rate "${MBIT}mbit" burst 256kb latency 100ms || exit 1
+source benchmarks/_netns.sh
+netns_up vch 10.77.0 "$MBIT" || exit 1
 RUN_ID=${RUN_ID:-$($PY -c "import uuid; print(uuid.uuid4().hex[:12])")}
 METHODS=${METHODS:-compute_only,none,torch_fp16,ours_bf16,ours_int8,ours_lowrank_int8_r8,ours_auto}
 ARGS=(--cpu --transport shaped_veth --link-mbit "$MBIT" --run-id "$RUN_ID" --layers 6 --dim 2048
@@ -41,7 +29,7 @@ ARGS=(--cpu --transport shaped_veth --link-mbit "$MBIT" --run-id "$RUN_ID" --lay
 if [ "${TRACE:-0}" = 1 ]; then  # per-bucket timeline instead (benchmarks/slow_link_trace.py)
   for r in 0 1; do
     ns=$NS0 dev=$V0; [ $r = 1 ] && ns=$NS1 dev=$V1
-    ip netns exec "$ns" env RANK=$r WORLD_SIZE=2 MASTER_ADDR=10.77.0.1 MASTER_PORT=29561 \
+    ip netns exec "$ns" env RANK=$r WORLD_SIZE=2 MASTER_ADDR=$ADDR0 MASTER_PORT=29561 \
       GLOO_SOCKET_IFNAME="$dev" OMP_NUM_THREADS=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" \
       timeout "${ATTEMPT_S:-900}" $PY benchmarks/slow_link_trace.py --methods "${METHODS}" ${TRACE_ARGS:-} &
   done
@@ -52,7 +40,7 @@ attempt() {  # $1 = methods; returns the worst rank exit code
   local pids=() rc=0
   for r in 0 1; do
     ns=$NS0 dev=$V0; [ $r = 1 ] && ns=$NS1 dev=$V1
-    ip netns exec "$ns" env RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=10.77.0.1 \
+    ip netns exec "$ns" env RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=$ADDR0 \
       MASTER_PORT=29561 GLOO_SOCKET_IFNAME="$dev" OMP_NUM_THREADS=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" \
       timeout "${ATTEMPT_S:-900}" $PY benchmarks/comm_hooks.py "${ARGS[@]}" --methods "$1" \
       2> >(tee "$LOGDIR/rank$r.err" >&2) &

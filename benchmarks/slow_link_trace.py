@@ -138,17 +138,10 @@ def build(name: str, dim: int, layers: int):
     return ddp, opt, state
 
 
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
 def summarize(path: str) -> None:
     """One line per traced step of ``path`` (this script's output)."""
+    from verl_comm.profiler import intervals
+
     for line in open(path):
         if not line.startswith("{"):
             continue
@@ -163,7 +156,7 @@ def summarize(path: str) -> None:
                 spans.append((starts[key].pop(0), e["t"]))
         last_hook = max(e["t"] for e in d["events"] if e["kind"] == "hook")
         w0, w1 = min(a for a, _ in spans), max(b for _, b in spans)
-        busy = _union(spans)
+        busy = intervals.total(spans)
         print(f"{d['method']:11s} r{d['round']} backward ends {d['bwd']:7.1f} ms, step "
               f"{d['step']:7.1f} | collectives {w0:7.1f}-{w1:7.1f} ({len(spans)}), busy "
               f"{busy:6.1f} of {w1 - w0:6.1f} ms ({busy / (w1 - w0):4.0%}) | after the last "

@@ -25,7 +25,6 @@ MBIT=${2:-200}
 PY=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)
-command -v tc >/dev/null && command -v ip >/dev/null || { echo "needs iproute2 (ip, tc)" >&2; exit 3; }
 [ "$(id -u)" = 0 ] || { echo "needs root to make network namespaces" >&2; exit 3; }
 if [ $SMOKE = 1 ]; then
   CONFIG=${CONFIG:-configs/tiny.yaml} METHODS=${METHODS:-none,int8}
@@ -40,21 +39,9 @@ SEED=${SEED:-0}
 # machine (which rebuild the same op for their torch) from holding its lock.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions/$($PY -c \
   "import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:12])")}
-TAG=$$
-NS0=vth0_$TAG NS1=vth1_$TAG V0=vtha$TAG V1=vthb$TAG
-ADDR0=10.78.0.1 ADDR1=10.78.0.2
 WORK=$(mktemp -d)
-cleanup() { ip netns del "$NS0" 2>/dev/null; ip netns del "$NS1" 2>/dev/null; }
-trap cleanup EXIT INT TERM
-ip netns add "$NS0" && ip netns add "$NS1" || { echo "cannot make network namespaces" >&2; exit 3; }
-ip link add "$V0" type veth peer name "$V1" || exit 3
-ip link set "$V0" netns "$NS0" && ip link set "$V1" netns "$NS1" || exit 3
-ip -n "$NS0" addr add $ADDR0/24 dev "$V0" && ip -n "$NS1" addr add $ADDR1/24 dev "$V1"
-for ns in "$NS0" "$NS1"; do ip -n "$ns" link set lo up; done
-ip -n "$NS0" link set "$V0" up && ip -n "$NS1" link set "$V1" up || exit 3
-# both directions: each end shapes what it sends (burst above the veth's 64 KiB segments)
-tc -n "$NS0" qdisc add dev "$V0" root tbf rate "${MBIT}mbit" burst 256kb latency 100ms || exit 3
-tc -n "$NS1" qdisc add dev "$V1" root tbf rate "${MBIT}mbit" burst 256kb latency 100ms || exit 3
+source benchmarks/_netns.sh
+netns_up vth 10.78.0 "$MBIT" || exit 3
 RUN_ID=${RUN_ID:-$($PY -c "import uuid; print(uuid.uuid4().hex[:12])")}
 echo "two_host_job: run_id $RUN_ID, ${MBIT} Mbit/s, $CONFIG, methods $METHODS, logs in $WORK" >&2
 

@@ -8,7 +8,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from verl_comm.compression.collective import ProcessGroupCollective
 from verl_comm.compression.config import CompressionConfig
-from verl_comm.compression.lowrank import LowRankBucketState, lowrank_int8_allreduce, plan_lowrank
+from verl_comm.compression.lowrank import LowRankBucketState, lowrank_int8_allreduce
+from verl_comm.compression.lowrank_plan import plan_lowrank
 from verl_comm.hooks import make_hook
 
 dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))

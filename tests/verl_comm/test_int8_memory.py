@@ -28,7 +28,7 @@ import json, re, sys, warnings
 import torch
 torch.set_num_threads(1)
 from verl_comm.compression import CompressionConfig, LoopbackCollective
-from verl_comm.compression._kernels import packed_nbytes, padded_numel
+from verl_comm.kernels import packed_nbytes, padded_numel
 from verl_comm.hooks import CommHookState, GradBucket, int8_hook
 
 dev = sys.argv[1]

@@ -23,13 +23,8 @@ from .int8_allreduce import (
     int8_allreduce_wire_bytes,
     ring_allreduce_wire_bytes,
 )
-from .lowrank import (
-    LowRankBucketState,
-    LowRankPlan,
-    lowrank_int8_allreduce,
-    orthonormalize,
-    plan_lowrank,
-)
+from .lowrank import LowRankBucketState, lowrank_int8_allreduce, orthonormalize
+from .lowrank_plan import LowRankPlan, plan_lowrank
 from .policy import LinkModel, PolicyDecision, decide, decide_overlap, measure_link
 
 __all__ = [

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._kernels import (
+from verl_comm.kernels import (
     dequant_sum_requant,
     dequantize,
     pack,
@@ -38,6 +38,7 @@ from ._kernels import (
     quantize_ef,
     unpack,
 )
+
 from .collective import Collective
 
 

@@ -29,165 +29,14 @@ Conv kernels (out, in, kh, kw) are viewed as (out, in * kh * kw).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .collective import Collective
-from .int8_allreduce import all_finite, int8_allreduce, int8_allreduce_wire_bytes
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """One tensor inside a flat bucket: elements ``[offset, offset + numel)``, its shape."""
-
-    offset: int
-    numel: int
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class MatrixGroup:
-    """Same-shape matrices (n, m) of a bucket compressed together at rank ``rank``."""
-
-    n: int
-    m: int
-    rank: int
-    slots: tuple[TensorSlot, ...]
-
-    @property
-    def k(self) -> int:
-        """Number of matrices in the group."""
-        return len(self.slots)
-
-
-@dataclass(frozen=True)
-class LowRankPlan:
-    """How one bucket is split: matrix groups compressed at low rank, the rest sent by int8.
-
-    Built by :func:`plan_lowrank` from shapes only (pure, no process group).
-    """
-
-    numel: int
-    groups: tuple[MatrixGroup, ...]
-    rest: tuple[TensorSlot, ...]
-
-    @property
-    def rest_numel(self) -> int:
-        """Elements sent uncompressed by low rank (through the int8 all-reduce)."""
-        return sum(s.numel for s in self.rest)
-
-    @property
-    def p_numel(self) -> int:
-        """Elements of all P factors (sum of k n r)."""
-        return sum(g.k * g.n * g.rank for g in self.groups)
-
-    @property
-    def q_numel(self) -> int:
-        """Elements of all Q factors (sum of k m r)."""
-        return sum(g.k * g.m * g.rank for g in self.groups)
-
-    def wire_bytes(self, world_size: int, block: int, wire: FactorWire | None = None) -> int:
-        """Bytes one rank sends per step for P, Q and the rest under ``wire`` (default: all
-        three through the int8 all-reduce)."""
-        wire = wire or FactorWire()
-        return sum(
-            payload_wire_bytes(n, world_size, block, mode)
-            for n, mode in (
-                (self.p_numel, wire.p),
-                (self.q_numel, wire.q),
-                (self.rest_numel, wire.rest),
-            )
-        )
-
-    def collectives(self, wire: FactorWire | None = None) -> int:
-        """Collective calls per step under ``wire`` (int8: 2 per payload, else 1)."""
-        wire = wire or FactorWire()
-        return sum(
-            (2 if mode == "int8" else 1)
-            for n, mode in (
-                (self.p_numel, wire.p),
-                (self.q_numel, wire.q),
-                (self.rest_numel, wire.rest),
-            )
-            if n
-        )
-
-
-WIRE_MODES = ("int8", "bf16", "fp32", "exact")
-"""How one payload (P, Q or the rest) travels: ``int8`` = the two-step int8 all-reduce (two
-collectives), ``bf16`` / ``fp32`` = one all-reduce in that dtype, ``exact`` = one all-reduce
-in the payload's own compute dtype (float64 in the reference)."""
-
-
-@dataclass(frozen=True)
-class FactorWire:
-    """Wire mode of each payload of a low-rank bucket (see :data:`WIRE_MODES`)."""
-
-    p: str = "int8"
-    q: str = "int8"
-    rest: str = "int8"
-
-    def __post_init__(self) -> None:
-        for name in ("p", "q", "rest"):
-            if getattr(self, name) not in WIRE_MODES:
-                raise ValueError(f"FactorWire.{name} must be one of {WIRE_MODES}")
-
-
-def payload_wire_bytes(numel: int, world_size: int, block: int, mode: str) -> int:
-    """Bytes one rank sends for ``numel`` elements in wire ``mode`` (0 when W = 1)."""
-    if numel == 0 or world_size == 1:
-        return 0
-    if mode == "int8":
-        return int8_allreduce_wire_bytes(numel, world_size, block)
-    size = {"bf16": 2, "fp32": 4, "exact": 4}[mode]
-    return 2 * (world_size - 1) * numel * size // world_size
-
-
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
-    """The (n, m) matrix view of a tensor shape (``(s0, prod(rest))``), None below 2 dims."""
-    if len(shape) < 2:
-        return None
-    return int(shape[0]), int(math.prod(shape[1:]))
-
-
-def plan_lowrank(
-    shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float = 2.0
-) -> LowRankPlan:
-    """Split a bucket of tensors (in bucket order, packed back to back) for low rank.
-
-    Args:
-        shapes: the shape of each tensor of the bucket, in buffer order.
-        rank: target rank r >= 1.
-        min_compression_rate: compress a matrix only if ``n m / (r (n + m))`` is at least this.
-
-    Returns:
-        :class:`LowRankPlan`; matrices of equal (n, m) form one group, in first-seen order.
-
-    Raises:
-        ValueError: ``rank < 1``.
-    """
-    if rank < 1:
-        raise ValueError(f"rank must be >= 1 for low rank, got {rank}")
-    offset = 0
-    by_shape: dict[tuple[int, int], list[TensorSlot]] = {}
-    rest: list[TensorSlot] = []
-    for shape in shapes:
-        shape = tuple(int(s) for s in shape)
-        numel = int(math.prod(shape))
-        slot = TensorSlot(offset, numel, shape)
-        offset += numel
-        nm = matrix_shape(shape)
-        if nm is not None:
-            n, m = nm
-            if 2 * rank < min(n, m) and n * m >= min_compression_rate * rank * (n + m):
-                by_shape.setdefault(nm, []).append(slot)
-                continue
-        rest.append(slot)
-    groups = tuple(MatrixGroup(n, m, rank, tuple(s)) for (n, m), s in by_shape.items())
-    return LowRankPlan(offset, groups, tuple(rest))
+from .int8_allreduce import all_finite, int8_allreduce
+from .lowrank_plan import FactorWire, LowRankPlan, TensorSlot
 
 
 def orthonormalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -295,7 +144,7 @@ def reduce_payload(
     block: int,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """Average flat ``x`` over the ranks in wire ``mode`` (see :data:`WIRE_MODES`).
+    """Average flat ``x`` over the ranks in wire ``mode`` (see :data:`~verl_comm.compression.lowrank_plan.WIRE_MODES`).
 
     ``x`` is overwritten with the average (bit-identical on every rank). ``residual`` (int8
     mode only) carries error feedback; the one-call modes are exact (fp32, ``exact``) or lose
@@ -357,16 +206,13 @@ def lowrank_int8_allreduce(
         block: int8 block size B for the int8 payloads.
         error_feedback: keep ``E = M - M^`` per rank and add it next step.
         warm_start: start the power iteration from last step's Q.
-        residual_dtype: storage dtype of new residuals (fp32 or bf16; float64 for a float64
-            ``flat``).
+        residual_dtype: storage dtype of new residuals (fp32 or bf16; fp64 for fp64 ``flat``).
         generator: CPU generator for fresh Q (seeded identically on every rank).
-        out: optional ``(N,)`` destination (may alias ``flat``); default ``flat``'s compute
-            dtype (fp32, or fp64 for fp64 input).
+        out: ``(N,)`` destination, may alias ``flat`` (default: new, fp32 or fp64 for fp64).
         wire: :class:`FactorWire` of P, Q and the rest (default: all int8).
-        keep: ``(offset, numel)`` ranges of ``flat`` that got no gradient this step: their
-            input is taken as zero and their residual is left exactly as it was (issue 18:
-            DDP does not apply the result to a parameter without a gradient, so sending its
-            residual would lose it).
+        keep: ``(offset, numel)`` ranges that got no gradient this step: input taken as zero,
+            residual left exactly as it was (issue 18: DDP does not apply the result to a
+            parameter without a gradient, so sending its residual would lose it).
         stats: compute ``error_sq`` and ``input_sq`` (two more passes); None when False.
         matmul_dtype: dtype of the three matrix products; None = bf16 for fp32 on CUDA
             (tensor cores), else the compute dtype. Error feedback stays exact either way:
@@ -380,50 +226,137 @@ def lowrank_int8_allreduce(
     Raises:
         ValueError: ``flat`` does not have ``plan.numel`` elements.
     """
+    wire = wire or FactorWire()
+    c = _start(
+        flat,
+        plan,
+        state,
+        coll,
+        out,
+        block,
+        error_feedback,
+        residual_dtype,
+        stats,
+        keep,
+        matmul_dtype,
+    )
+    # Rest: read before `out` (which may alias `flat`) is written.
+    rest_in = _gather_rest(c.flat, plan.rest).to(c.cdt) if plan.rest else None
+    ms, kept = _error_fed_matrices(c)
+    if plan.groups:
+        ps, qs, q_prevs = _power_iteration(c, ms, wire, warm_start, generator)
+        for gi in range(len(plan.groups)):
+            _finish_group(c, gi, ms[gi], ps[gi], qs[gi], q_prevs[gi], kept[gi])
+        del ms
+    if plan.rest:
+        _reduce_rest(c, rest_in, wire.rest)
+    return LowRankResult(c.out, c.wire_total, c.finite, c.error_sq, c.input_sq)
+
+
+@dataclass
+class _Call:
+    """One call of :func:`lowrank_int8_allreduce`: what its steps share, running totals."""
+
+    flat: torch.Tensor
+    out: torch.Tensor
+    plan: LowRankPlan
+    state: LowRankBucketState
+    coll: Collective
+    block: int
+    error_feedback: bool
+    residual_dtype: torch.dtype
+    stats: bool
+    cdt: torch.dtype
+    gdt: torch.dtype
+    in_place: bool
+    keep_set: set[int]
+    finite: torch.Tensor
+    error_sq: torch.Tensor | None
+    input_sq: torch.Tensor | None
+    wire_total: int = 0
+
+    def reduce(self, x: torch.Tensor, mode: str, residual: torch.Tensor | None = None) -> None:
+        """Average payload ``x`` in place (:func:`reduce_payload`); count bytes and finiteness."""
+        _, wb, ok = reduce_payload(x, self.coll, mode, block=self.block, residual=residual)
+        self.wire_total += wb
+        self.finite = self.finite & ok
+
+
+def _start(
+    flat: torch.Tensor,
+    plan: LowRankPlan,
+    state: LowRankBucketState,
+    coll: Collective,
+    out: torch.Tensor | None,
+    block: int,
+    error_feedback: bool,
+    residual_dtype: torch.dtype,
+    stats: bool,
+    keep: Sequence[tuple[int, int]],
+    matmul_dtype: torch.dtype | None,
+) -> _Call:
+    """Check the bucket against the plan, size the state, pick the dtypes, zero the totals."""
     if flat.numel() != plan.numel:
         raise ValueError(
             f"bucket has {flat.numel()} elements but the plan expects {plan.numel}; rebuild "
             "the plan when the bucket layout changes"
         )
-    wire = wire or FactorWire()
     dev = flat.device
     flat = flat.reshape(-1)
     cdt = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    if cdt == torch.float64:
-        residual_dtype = torch.float64
     if out is None:
         out = torch.empty(plan.numel, dtype=cdt, device=dev)
-    in_place = out.data_ptr() == flat.data_ptr() and flat.dtype == cdt
-    ng = len(plan.groups)
-    if len(state.qs) != ng:
-        state.qs = [None] * ng
-        state.residuals = [None] * ng
-    error_sq = torch.zeros((), dtype=cdt, device=dev) if stats else None
-    input_sq = torch.zeros((), dtype=cdt, device=dev) if stats else None
-    wire_total = 0
-    finite = torch.ones((), dtype=torch.bool, device=dev)
-    keep_set = {off for off, _ in keep}
+    if len(state.qs) != len(plan.groups):
+        state.qs = [None] * len(plan.groups)
+        state.residuals = [None] * len(plan.groups)
+    # Matrix products in bf16 on CUDA (tensor cores; fp32 gemms were ~16 ms of a step
+    # of 24 x 4096^2 at r = 128 on an H200): P and Q travel in int8/bf16 anyway, and
+    # the applied approximation is exactly the bf16 product, so error feedback
+    # (E = M - applied) stays exact. CPU and the float64 reference: compute dtype.
+    gdt = matmul_dtype or (torch.bfloat16 if (dev.type == "cuda" and cdt == torch.float32) else cdt)
+    return _Call(
+        flat=flat,
+        out=out,
+        plan=plan,
+        state=state,
+        coll=coll,
+        block=block,
+        error_feedback=error_feedback,
+        residual_dtype=torch.float64 if cdt == torch.float64 else residual_dtype,
+        stats=stats,
+        cdt=cdt,
+        gdt=gdt,
+        in_place=out.data_ptr() == flat.data_ptr() and flat.dtype == cdt,
+        keep_set={off for off, _ in keep},
+        finite=torch.ones((), dtype=torch.bool, device=dev),
+        error_sq=torch.zeros((), dtype=cdt, device=dev) if stats else None,
+        input_sq=torch.zeros((), dtype=cdt, device=dev) if stats else None,
+    )
 
-    # Rest: read before `out` (which may alias `flat`) is written.
-    rest_in = _gather_rest(flat, plan.rest).to(cdt) if plan.rest else None
 
-    # Matrices: M = G + E per group, (k, n, m) in compute dtype.
+def _error_fed_matrices(
+    c: _Call,
+) -> tuple[list[torch.Tensor], list[list[tuple[int, torch.Tensor]]]]:
+    """``M = G + E`` per group, ``(k, n, m)`` in the compute dtype (a view of the bucket when
+    in place with k = 1). Slots in ``keep`` get a zero input and their residual rows are
+    saved, returned per group as ``(index, residual)`` to be put back after the step."""
+    dev = c.flat.device
     ms: list[torch.Tensor] = []
     kept: list[list[tuple[int, torch.Tensor]]] = []
-    for gi, g in enumerate(plan.groups):
-        res = state.residuals[gi] if error_feedback else None
+    for gi, g in enumerate(c.plan.groups):
+        res = c.state.residuals[gi] if c.error_feedback else None
         if res is not None and (res.shape != (g.k, g.n, g.m) or res.device != dev):
             res = None
-        if in_place and g.k == 1:
+        if c.in_place and g.k == 1:
             s0 = g.slots[0]
-            mat = flat[s0.offset : s0.offset + s0.numel].view(1, g.n, g.m)
+            mat = c.flat[s0.offset : s0.offset + s0.numel].view(1, g.n, g.m)
         else:
-            mat = torch.empty(g.k, g.n, g.m, dtype=cdt, device=dev)
+            mat = torch.empty(g.k, g.n, g.m, dtype=c.cdt, device=dev)
             for i, s in enumerate(g.slots):
-                mat[i].copy_(flat[s.offset : s.offset + s.numel].view(g.n, g.m))
+                mat[i].copy_(c.flat[s.offset : s.offset + s.numel].view(g.n, g.m))
         saved = []
         for i, s in enumerate(g.slots):
-            if s.offset in keep_set:
+            if s.offset in c.keep_set:
                 mat[i].zero_()
                 if res is not None:
                     saved.append((i, res[i].clone()))
@@ -434,120 +367,130 @@ def lowrank_int8_allreduce(
             mat += res
         kept.append(saved)
         ms.append(mat)
-        if stats:
-            input_sq = input_sq + mat.square().sum()
+        if c.stats:
+            c.input_sq = c.input_sq + mat.square().sum()
+    return ms, kept
 
-    if ng:
-        p_all = torch.empty(plan.p_numel, dtype=cdt, device=dev)
-        q_all = torch.empty(plan.q_numel, dtype=cdt, device=dev)
-        ps, qs, q_prevs, po, qo = [], [], [], 0, 0
-        # Matrix products in bf16 on CUDA (tensor cores; fp32 gemms were ~16 ms of a step
-        # of 24 x 4096^2 at r = 128 on an H200): P and Q travel in int8/bf16 anyway, and
-        # the applied approximation is exactly the bf16 product, so error feedback
-        # (E = M - applied) stays exact. CPU and the float64 reference: compute dtype.
-        gdt = matmul_dtype or (
-            torch.bfloat16 if (dev.type == "cuda" and cdt == torch.float32) else cdt
-        )
-        m_low = [mat if gdt == cdt else mat.to(gdt) for mat in ms]
-        for gi, g in enumerate(plan.groups):
-            q_prev = state.qs[gi]
-            if q_prev is None or not warm_start or q_prev.shape != (g.k, g.m, g.rank):
-                q_prev = torch.randn(g.k, g.m, g.rank, generator=generator).to(dev, cdt)
-            q_prevs.append(q_prev.to(cdt))
-            p = p_all[po : po + g.k * g.n * g.rank].view(g.k, g.n, g.rank)
-            if gdt == cdt:
-                torch.bmm(ms[gi], q_prev.to(cdt), out=p)
-            else:
-                p.copy_(torch.bmm(m_low[gi], q_prev.to(gdt)))
-            ps.append(p)
-            qs.append(q_all[qo : qo + g.k * g.m * g.rank].view(g.k, g.m, g.rank))
-            po, qo = po + p.numel(), qo + qs[-1].numel()
-        _, wb, ok = reduce_payload(p_all, coll, wire.p, block=block)
-        wire_total += wb
-        finite = finite & ok
-        for gi in range(ng):
-            ps[gi] = orthonormalize(ps[gi])
-            if gdt == cdt:
-                torch.bmm(ms[gi].mT, ps[gi], out=qs[gi])
-            else:
-                qs[gi].copy_(torch.bmm(m_low[gi].mT, ps[gi].to(gdt)))
-        del m_low
-        _, wb, ok = reduce_payload(q_all, coll, wire.q, block=block)
-        wire_total += wb
-        finite = finite & ok
-        for gi, g in enumerate(plan.groups):
-            mat, p, q = ms[gi], ps[gi], qs[gi]
-            approx = None if gdt == cdt else torch.bmm(p.to(gdt), q.mT.to(gdt))
-            if error_feedback or stats:
-                # E = M - applied approximation (M is ours: the bucket or the work buffer)
-                res = state.residuals[gi] if error_feedback else None
-                if res is None or res.shape != mat.shape or res.dtype != residual_dtype:
-                    res = None
-                if approx is None:
-                    err = mat.baddbmm_(p, q.mT, beta=1.0, alpha=-1.0)
-                elif res is not None and not stats:
-                    err = torch.sub(mat, approx, out=res)  # one pass, straight to storage
-                else:
-                    err = mat.sub_(approx)
-                if stats:
-                    error_sq = error_sq + err.float().square().sum()
-                if error_feedback:
-                    if res is None:
-                        state.residuals[gi] = err.to(residual_dtype, copy=True)
-                    elif err is not res:
-                        res.copy_(err)
-                    for i, old in kept[gi]:
-                        state.residuals[gi][i].copy_(old)
-                del err
-            # A matrix that is zero on every rank (its parameter unused everywhere this
-            # step) gets Q = M^T P = 0, and a zero warm start would stay zero for ever
-            # (P = M 0): keep its previous Q instead (per matrix, on the device, no sync).
-            q_keep = torch.where(q.abs().amax(dim=(-2, -1), keepdim=True) > 0, q, q_prevs[gi])
-            if state.qs[gi] is not None and state.qs[gi].shape == q.shape:
-                state.qs[gi].copy_(q_keep)  # in place: a captured CUDA graph reads this tensor
-            else:
-                state.qs[gi] = q_keep.clone()
-            if approx is None and g.k == 1 and (in_place or out.dtype == cdt):
-                s0 = g.slots[0]
-                torch.bmm(p, q.mT, out=out[s0.offset : s0.offset + s0.numel].view(1, g.n, g.m))
-            else:
-                if approx is None:
-                    approx = torch.bmm(p, q.mT)
-                for i, s in enumerate(g.slots):
-                    out[s.offset : s.offset + s.numel].view(g.n, g.m).copy_(approx[i])
-            del approx
-        del ms
 
-    if plan.rest:
-        rr = state.rest_residual
-        if error_feedback and (
-            rr is None or rr.numel() != rest_in.numel() or rr.dtype != residual_dtype
-        ):
-            rr = torch.zeros(rest_in.numel(), dtype=residual_dtype, device=dev)
-        saved_rest = []
-        o = 0
-        for s in plan.rest:
-            if s.offset in keep_set:
-                rest_in[o : o + s.numel].zero_()
-                if error_feedback:
-                    saved_rest.append((o, s.numel, rr[o : o + s.numel].clone()))
-                    rr[o : o + s.numel].zero_()
-            o += s.numel
-        if stats:
-            extra = rr.to(cdt) if error_feedback else 0
-            input_sq = input_sq + (rest_in + extra).square().sum()
-        res_arg = rr if error_feedback else None
-        _, wb, ok = reduce_payload(rest_in, coll, wire.rest, block=block, residual=res_arg)
-        if error_feedback:
-            for o, n, old in saved_rest:
-                rr[o : o + n].copy_(old)
-            state.rest_residual = rr
-            if stats:
-                error_sq = error_sq + rr.to(cdt).square().sum()
-        wire_total += wb
-        finite = finite & ok
-        o = 0
-        for s in plan.rest:
-            out[s.offset : s.offset + s.numel].copy_(rest_in[o : o + s.numel])
-            o += s.numel
-    return LowRankResult(out, wire_total, finite, error_sq, input_sq)
+def _power_iteration(
+    c: _Call,
+    ms: list[torch.Tensor],
+    wire: FactorWire,
+    warm_start: bool,
+    generator: torch.Generator | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """``P = M Q`` of all groups in one payload, averaged, orthonormalised; then
+    ``Q = M^T P`` in one payload, averaged. Returns per group ``(P, Q, previous Q)``."""
+    plan, cdt, gdt, dev = c.plan, c.cdt, c.gdt, c.flat.device
+    p_all = torch.empty(plan.p_numel, dtype=cdt, device=dev)
+    q_all = torch.empty(plan.q_numel, dtype=cdt, device=dev)
+    ps, qs, q_prevs, po, qo = [], [], [], 0, 0
+    m_low = [mat if gdt == cdt else mat.to(gdt) for mat in ms]
+    for gi, g in enumerate(plan.groups):
+        q_prev = c.state.qs[gi]
+        if q_prev is None or not warm_start or q_prev.shape != (g.k, g.m, g.rank):
+            q_prev = torch.randn(g.k, g.m, g.rank, generator=generator).to(dev, cdt)
+        q_prevs.append(q_prev.to(cdt))
+        p = p_all[po : po + g.k * g.n * g.rank].view(g.k, g.n, g.rank)
+        if gdt == cdt:
+            torch.bmm(ms[gi], q_prev.to(cdt), out=p)
+        else:
+            p.copy_(torch.bmm(m_low[gi], q_prev.to(gdt)))
+        ps.append(p)
+        qs.append(q_all[qo : qo + g.k * g.m * g.rank].view(g.k, g.m, g.rank))
+        po, qo = po + p.numel(), qo + qs[-1].numel()
+    c.reduce(p_all, wire.p)
+    for gi in range(len(plan.groups)):
+        ps[gi] = orthonormalize(ps[gi])
+        if gdt == cdt:
+            torch.bmm(ms[gi].mT, ps[gi], out=qs[gi])
+        else:
+            qs[gi].copy_(torch.bmm(m_low[gi].mT, ps[gi].to(gdt)))
+    del m_low
+    c.reduce(q_all, wire.q)
+    return ps, qs, q_prevs
+
+
+def _finish_group(
+    c: _Call,
+    gi: int,
+    mat: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    q_prev: torch.Tensor,
+    kept: list[tuple[int, torch.Tensor]],
+) -> None:
+    """Group ``gi`` after both payloads: residual ``E = M - P Q^T`` (kept rows put back),
+    the warm-start Q stored, ``P Q^T`` written to the group's slots of ``out``."""
+    g, state, cdt, gdt = c.plan.groups[gi], c.state, c.cdt, c.gdt
+    approx = None if gdt == cdt else torch.bmm(p.to(gdt), q.mT.to(gdt))
+    if c.error_feedback or c.stats:
+        # E = M - applied approximation (M is ours: the bucket or the work buffer)
+        res = state.residuals[gi] if c.error_feedback else None
+        if res is None or res.shape != mat.shape or res.dtype != c.residual_dtype:
+            res = None
+        if approx is None:
+            err = mat.baddbmm_(p, q.mT, beta=1.0, alpha=-1.0)
+        elif res is not None and not c.stats:
+            err = torch.sub(mat, approx, out=res)  # one pass, straight to storage
+        else:
+            err = mat.sub_(approx)
+        if c.stats:
+            c.error_sq = c.error_sq + err.float().square().sum()
+        if c.error_feedback:
+            if res is None:
+                state.residuals[gi] = err.to(c.residual_dtype, copy=True)
+            elif err is not res:
+                res.copy_(err)
+            for i, old in kept:
+                state.residuals[gi][i].copy_(old)
+        del err
+    # A matrix that is zero on every rank (its parameter unused everywhere this
+    # step) gets Q = M^T P = 0, and a zero warm start would stay zero for ever
+    # (P = M 0): keep its previous Q instead (per matrix, on the device, no sync).
+    q_keep = torch.where(q.abs().amax(dim=(-2, -1), keepdim=True) > 0, q, q_prev)
+    if state.qs[gi] is not None and state.qs[gi].shape == q.shape:
+        state.qs[gi].copy_(q_keep)  # in place: a captured CUDA graph reads this tensor
+    else:
+        state.qs[gi] = q_keep.clone()
+    out = c.out
+    if approx is None and g.k == 1 and (c.in_place or out.dtype == cdt):
+        s0 = g.slots[0]
+        torch.bmm(p, q.mT, out=out[s0.offset : s0.offset + s0.numel].view(1, g.n, g.m))
+    else:
+        if approx is None:
+            approx = torch.bmm(p, q.mT)
+        for i, s in enumerate(g.slots):
+            out[s.offset : s.offset + s.numel].view(g.n, g.m).copy_(approx[i])
+
+
+def _reduce_rest(c: _Call, rest_in: torch.Tensor, mode: str) -> None:
+    """The tensors low rank does not shrink: one payload with its own error feedback
+    (``keep`` slots: zero input, residual left as it was), copied to their slots of ``out``."""
+    state, cdt, ef = c.state, c.cdt, c.error_feedback
+    rr = state.rest_residual
+    if ef and (rr is None or rr.numel() != rest_in.numel() or rr.dtype != c.residual_dtype):
+        rr = torch.zeros(rest_in.numel(), dtype=c.residual_dtype, device=c.flat.device)
+    saved_rest = []
+    o = 0
+    for s in c.plan.rest:
+        if s.offset in c.keep_set:
+            rest_in[o : o + s.numel].zero_()
+            if ef:
+                saved_rest.append((o, s.numel, rr[o : o + s.numel].clone()))
+                rr[o : o + s.numel].zero_()
+        o += s.numel
+    if c.stats:
+        extra = rr.to(cdt) if ef else 0
+        c.input_sq = c.input_sq + (rest_in + extra).square().sum()
+    c.reduce(rest_in, mode, residual=rr if ef else None)
+    if ef:
+        for o, n, old in saved_rest:
+            rr[o : o + n].copy_(old)
+        state.rest_residual = rr
+        if c.stats:
+            c.error_sq = c.error_sq + rr.to(cdt).square().sum()
+    o = 0
+    for s in c.plan.rest:
+        c.out[s.offset : s.offset + s.numel].copy_(rest_in[o : o + s.numel])
+        o += s.numel

@@ -49,14 +49,14 @@ from verl_comm.compression.int8_allreduce import (
     int8_allreduce_wire_bytes,
     ring_allreduce_wire_bytes,
 )
-from verl_comm.compression.lowrank import (
+from verl_comm.compression.lowrank import lowrank_int8_allreduce
+from verl_comm.compression.lowrank_plan import (
     FactorWire,
     LowRankPlan,
     TensorSlot,
-    lowrank_int8_allreduce,
     payload_wire_bytes,
 )
-from verl_comm.compression.lowrank import plan_lowrank as _plan_lowrank
+from verl_comm.compression.lowrank_plan import plan_lowrank as _plan_lowrank
 from verl_comm.compression.policy import (
     LinkModel,
     PathCost,

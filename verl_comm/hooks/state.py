@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from verl_comm.compression.collective import Collective, LocalCollective, ProcessGroupCollective
 from verl_comm.compression.config import CompressionConfig
-from verl_comm.compression.lowrank import FactorWire, LowRankBucketState, LowRankPlan
+from verl_comm.compression.lowrank import LowRankBucketState
+from verl_comm.compression.lowrank_plan import FactorWire, LowRankPlan
 from verl_comm.compression.policy import LinkModel, PolicyDecision
 from verl_comm.telemetry import CommRecorder
 

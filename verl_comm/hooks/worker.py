@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -125,16 +124,11 @@ class CommWorker:
             TimeoutError: still waiting after ``timeout_s`` seconds.
         """
         seq = self._local.seq
-        deadline = time.monotonic() + timeout_s
-        with self._cv:
-            while self._unfinished and min(self._unfinished) < seq:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"comm hook worker: earlier bucket(s) still in flight after "
-                        f"{timeout_s:g} s; a peer rank may be stuck or dead"
-                    )
-                self._cv.wait(left)
+        self._wait_until(
+            lambda: not (self._unfinished and min(self._unfinished) < seq),
+            timeout_s,
+            lambda: "earlier bucket(s)",
+        )
 
     def _run(self, q: queue.SimpleQueue) -> None:
         while True:
@@ -177,16 +171,26 @@ class CommWorker:
         Raises:
             TimeoutError: jobs still running after ``timeout_s`` seconds.
         """
-        deadline = time.monotonic() + timeout_s
+        self._wait_until(
+            lambda: self._done >= self._submitted,
+            timeout_s,
+            lambda: f"{self._submitted - self._done} bucket(s)",
+        )
+
+    def _wait_until(
+        self, done: Callable[[], bool], timeout_s: float, pending: Callable[[], str]
+    ) -> None:
+        """Block until ``done()`` holds (read under the lock, re-read at every finished job).
+
+        Raises:
+            TimeoutError: naming ``pending()`` (what is still in flight) after ``timeout_s``.
+        """
         with self._cv:
-            while self._done < self._submitted:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"comm hook worker: {self._submitted - self._done} bucket(s) still in "
-                        f"flight after {timeout_s:g} s; a peer rank may be stuck or dead"
-                    )
-                self._cv.wait(left)
+            if not self._cv.wait_for(done, timeout_s):
+                raise TimeoutError(
+                    f"comm hook worker: {pending()} still in flight after {timeout_s:g} s; "
+                    "a peer rank may be stuck or dead"
+                )
 
     def is_alive(self) -> bool:
         """Whether any lane thread is running."""

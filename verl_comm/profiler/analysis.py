@@ -282,43 +282,37 @@ def _idle(dev: dict, step_total: float) -> dict:
     }
 
 
-def analyze_rank(data: dict) -> dict:
-    """Metrics of one rank's profile dict (see the module docstring)."""
-    steps = data.get("steps", [])
-    windows = [(s["t0"], s["t1"]) for s in steps]
-    step_total = sum(b - a for a, b in windows)
-    top = [p for p in data.get("phases", []) if p.get("depth", 0) == 0]
-    comm_iv, comm_source = _comm_intervals(data)
-    comm_in_steps = [iv.clip(comm_iv, a, b) for a, b in windows]
+def _in_steps(r: dict, windows: list[tuple[float, float]]) -> bool:
+    """Whether record ``r`` (``start_s``) lies in a profiled step; a record without a start
+    time counts. Records outside profiled steps are not counted."""
+    t = r.get("start_s", 0.0)
+    return t <= 0 or any(a <= t <= b for a, b in windows)
 
-    per_step = [
-        {"step": s["step"], "time_s": b - a, "phases": _phase_sums(top, s["step"]),
-         "comm_s": iv.total(civ)}
-        for s, (a, b), civ in zip(steps, windows, comm_in_steps)
-    ]  # fmt: skip
-    n_steps = max(len(steps), 1)
-    phases = _phase_table(data.get("phases", []), n_steps, step_total)
-    top_share = sum(d["share"] or 0.0 for d in phases.values())
 
-    # communication
-    comm_total = sum(iv.total(c) for c in comm_in_steps)
+def _comm_metrics(
+    data: dict,
+    records: list[dict],
+    top: list[dict],
+    windows: list[tuple[float, float]],
+    comm: tuple[list[iv.Interval], str],
+    dev: dict | None,
+    n_steps: int,
+    step_total: float,
+) -> dict:
+    """The ``comm`` section of :func:`analyze_rank`: time in the steps and in backward, the
+    exposed part, our records by tag, torch's own collectives. ``comm``: the
+    :func:`_comm_intervals` of ``data``."""
+    comm_iv, comm_source = comm
+    comm_total = sum(iv.total(iv.clip(comm_iv, a, b)) for a, b in windows)
     bwd = [(p["t0"], p["t1"]) for p in top if p["name"] in BACKWARD_PHASES]
     bwd_total = iv.total(bwd)
     comm_bwd = sum(iv.total(iv.clip(comm_iv, a, b)) for a, b in iv.union(bwd))
-    kernels = data.get("kernels", [])
-    dev = device_summary(kernels, comm_iv, windows, top) if kernels else data.get("device")
     if dev and comm_source.startswith("NCCL"):
         exposed = dev["exposed_comm_s"]
         exposed_note = "NCCL kernel time with no compute kernel running"
     else:
         exposed = comm_total
         exposed_note = "host-blocking: all of it exposed" if comm_iv else "nothing to overlap"
-
-    def in_steps(r: dict) -> bool:  # records outside profiled steps are not counted
-        t = r.get("start_s", 0.0)
-        return t <= 0 or any(a <= t <= b for a, b in windows)
-
-    records = [r for r in data.get("comm", []) if in_steps(r)]
     by_tag: dict[str, dict] = {}
     for r in records:
         key = f"{r['op']} {r.get('tag', '')}".strip()
@@ -326,15 +320,59 @@ def analyze_rank(data: dict) -> dict:
         d["count"] += 1
         d["bytes"] += int(r["nbytes"])
         d["time_s"] += float(r["duration_s"])
-    torch_ops, torch_bytes = _torch_comm(data.get("torch_comm", []), in_steps)
-    idle = _idle(dev, step_total) if dev else None
+    torch_ops, torch_bytes = _torch_comm(
+        data.get("torch_comm", []), lambda r: _in_steps(r, windows)
+    )
+    return {
+        "source": comm_source,
+        "measured": not comm_source.startswith("not measured"),
+        "total_s": comm_total,
+        "per_step_s": comm_total / n_steps,
+        "share_of_step": comm_total / step_total if step_total > 0 else None,
+        "backward_s": bwd_total,
+        "share_of_backward": comm_bwd / bwd_total if bwd_total > 0 else None,
+        "exposed_s": exposed,
+        "exposed_share_of_step": exposed / step_total if step_total > 0 else None,
+        "exposed_note": exposed_note,
+        "by_tag": by_tag,
+        "bytes_total": sum(int(r["nbytes"]) for r in records if r["op"] not in ENVELOPE_OPS),
+        "payload_bytes": sum(int(r["nbytes"]) for r in records if r["op"] in ENVELOPE_OPS),
+        # input message bytes of torch's collectives in the profiled steps (ours and
+        # DeepSpeed's alike): NCCL kernels' args on GPU, gloo work events' shapes on CPU
+        "torch_input_bytes": torch_bytes,
+        "torch_ops": torch_ops,
+    }
 
-    # rollout, reshard, host phases
+
+def _rollout_metrics(data: dict) -> dict:
+    """Rollout latencies: ``record_rollout`` records, else the rollout phase's durations."""
     rollouts = [r["latency_s"] for r in data.get("rollouts", [])]
     rollout_source = "record_rollout"
     if not rollouts:
         rollouts = [p["t1"] - p["t0"] for p in data.get("phases", []) if p["name"] == ROLLOUT_PHASE]
         rollout_source = f"'{ROLLOUT_PHASE}' phase durations"
+    return {**_stats(rollouts), "source": rollout_source}
+
+
+def analyze_rank(data: dict) -> dict:
+    """Metrics of one rank's profile dict (see the module docstring)."""
+    steps = data.get("steps", [])
+    windows = [(s["t0"], s["t1"]) for s in steps]
+    step_total = sum(b - a for a, b in windows)
+    top = [p for p in data.get("phases", []) if p.get("depth", 0) == 0]
+    comm = _comm_intervals(data)
+    comm_iv = comm[0]
+    per_step = [
+        {"step": s["step"], "time_s": b - a, "phases": _phase_sums(top, s["step"]),
+         "comm_s": iv.total(iv.clip(comm_iv, a, b))}
+        for s, (a, b) in zip(steps, windows)
+    ]  # fmt: skip
+    n_steps = max(len(steps), 1)
+    phases = _phase_table(data.get("phases", []), n_steps, step_total)
+    top_share = sum(d["share"] or 0.0 for d in phases.values())
+    kernels = data.get("kernels", [])
+    dev = device_summary(kernels, comm_iv, windows, top) if kernels else data.get("device")
+    records = [r for r in data.get("comm", []) if _in_steps(r, windows)]
     reshard_bytes = sum(
         int(r["nbytes"]) for r in records if str(r.get("tag", "")).startswith("reshard")
     )
@@ -347,28 +385,10 @@ def analyze_rank(data: dict) -> dict:
         "step_total_s": step_total,
         "phases": phases,
         "unattributed_share": max(0.0, 1.0 - top_share) if step_total > 0 else None,
-        "comm": {
-            "source": comm_source,
-            "measured": not comm_source.startswith("not measured"),
-            "total_s": comm_total,
-            "per_step_s": comm_total / n_steps,
-            "share_of_step": comm_total / step_total if step_total > 0 else None,
-            "backward_s": bwd_total,
-            "share_of_backward": comm_bwd / bwd_total if bwd_total > 0 else None,
-            "exposed_s": exposed,
-            "exposed_share_of_step": exposed / step_total if step_total > 0 else None,
-            "exposed_note": exposed_note,
-            "by_tag": by_tag,
-            "bytes_total": sum(int(r["nbytes"]) for r in records if r["op"] not in ENVELOPE_OPS),
-            "payload_bytes": sum(int(r["nbytes"]) for r in records if r["op"] in ENVELOPE_OPS),
-            # input message bytes of torch's collectives in the profiled steps (ours and
-            # DeepSpeed's alike): NCCL kernels' args on GPU, gloo work events' shapes on CPU
-            "torch_input_bytes": torch_bytes,
-            "torch_ops": torch_ops,
-        },
-        "gpu_idle": idle,
+        "comm": _comm_metrics(data, records, top, windows, comm, dev, n_steps, step_total),
+        "gpu_idle": _idle(dev, step_total) if dev else None,
         "host_share": host / step_total if step_total > 0 else None,
-        "rollout": {**_stats(rollouts), "source": rollout_source},
+        "rollout": _rollout_metrics(data),
         "reshard": {
             "time_s": phases.get(RESHARD_PHASE, {}).get("total_s", 0.0),
             "per_step_s": phases.get(RESHARD_PHASE, {}).get("per_step_s", 0.0),

@@ -125,6 +125,32 @@ def flat_storage(t: torch.Tensor, name: str, numel: int, dtype: torch.dtype) -> 
     return t.reshape(-1)
 
 
+def training_sources(
+    plan: ReshardPlan, rank: int, train_shards: dict[str, torch.Tensor]
+) -> tuple[dict[int, torch.Tensor], torch.dtype, torch.device]:
+    """This rank's training shards as 1-D storage by parameter index, checked against the
+    plan, with their common dtype and device.
+
+    Raises:
+        KeyError: a shard the plan places on ``rank`` is missing.
+        ValueError: ``rank`` holds no shard, or see :func:`flat_storage`.
+    """
+    srcs: dict[int, torch.Tensor] = {}
+    dtype = device = None
+    for p, spec, sh in plan.held(rank):
+        if spec.name not in train_shards:
+            raise KeyError(
+                f"training shard {spec.name!r} missing on rank {rank} "
+                f"({plan.train.describe()} rank {rank} holds it)"
+            )
+        t = train_shards[spec.name]
+        dtype, device = dtype or t.dtype, device or t.device
+        srcs[p] = flat_storage(t, spec.name, sh.numel, dtype)
+    if dtype is None:
+        raise ValueError(f"rank {rank} holds no training shard; nothing to reshard from")
+    return srcs, dtype, device
+
+
 def _view(flat: torch.Tensor, gbox, offset: int, strides) -> torch.Tensor:
     return flat.as_strided(box_shape(gbox), strides, flat.storage_offset() + offset)
 
@@ -233,28 +259,12 @@ class ReshardExecutor:
             ValueError: see :func:`flat_storage`.
         """
         plan, r = self.plan, self.rank
-        n = plan.world_size
-        srcs: dict[int, torch.Tensor] = {}
-        dtype = device = None
-        for p, spec in enumerate(plan.specs):
-            sh = plan.train_shards[r][p]
-            if sh is None:
-                continue
-            if spec.name not in train_shards:
-                raise KeyError(
-                    f"training shard {spec.name!r} missing on rank {r} "
-                    f"({plan.train.describe()} rank {r} holds it)"
-                )
-            t = train_shards[spec.name]
-            dtype, device = dtype or t.dtype, device or t.device
-            srcs[p] = flat_storage(t, spec.name, sh.numel, dtype)
-        if dtype is None:
-            raise ValueError(f"rank {r} holds no training shard; nothing to reshard from")
+        srcs, dtype, device = training_sources(plan, r, train_shards)
         itemsize = torch.empty((), dtype=dtype).element_size()
         _sync(device)
         self.wire.reset()
         t0 = time.perf_counter()
-        self._clock = clock = _Clock(device)
+        self._clock = _Clock(device)
         self._t_start = time.perf_counter()
         self._marks: dict[str, list] = {
             "pack": [],
@@ -275,27 +285,7 @@ class ReshardExecutor:
             torch.empty(slot_elems, dtype=dtype, device=device)
             for _ in range(2 if len(mine) > 1 else len(mine))
         ]
-        sent = received = 0
-        pending = None
-        for k, (sends, recvs) in enumerate(mine):
-            buf = slots[k % 2]
-            a = clock.stamp()
-            ssz, rsz = self._pack(sends, recvs, srcs, buf, n)
-            self._marks["pack"].append((a, clock.stamp()))
-            send_n, recv_n = sum(ssz), sum(rsz)
-            t_issue = clock.stamp()
-            work = self._launch(buf[:send_n], buf[send_n : send_n + recv_n], ssz, rsz)
-            sent += send_n * itemsize
-            received += recv_n * itemsize
-            if k == 0:  # local copies overlap the first bucket on the wire
-                self._local_copies(srcs, outs)
-            if pending is not None:
-                self._finish(*pending, outs, itemsize, n)
-            pending = (work, recvs, buf[send_n : send_n + recv_n], send_n, k, t_issue)
-        if pending is not None:
-            self._finish(*pending, outs, itemsize, n)
-        else:
-            self._local_copies(srcs, outs)
+        sent, received = self._pipeline(mine, slots, srcs, outs, itemsize)
         _sync(device)
         elapsed = time.perf_counter() - t0
         timing = self._timings(elapsed)
@@ -319,6 +309,41 @@ class ReshardExecutor:
             counted_received_per_peer=list(self.wire.received),
         )
         return result, stats
+
+    def _pipeline(
+        self,
+        mine: list[tuple[list[Transfer], list[Transfer]]],
+        slots: list[torch.Tensor],
+        srcs: dict[int, torch.Tensor],
+        outs: dict[int, torch.Tensor],
+        itemsize: int,
+    ) -> tuple[int, int]:
+        """The buckets through the two buffers: pack bucket ``k`` and put it on the wire,
+        then unpack bucket ``k - 1``; the local copies overlap the first bucket. Returns the
+        bytes sent and received."""
+        clock, n = self._clock, self.plan.world_size
+        sent = received = 0
+        pending = None
+        for k, (sends, recvs) in enumerate(mine):
+            buf = slots[k % 2]
+            a = clock.stamp()
+            ssz, rsz = self._pack(sends, recvs, srcs, buf, n)
+            self._marks["pack"].append((a, clock.stamp()))
+            send_n, recv_n = sum(ssz), sum(rsz)
+            t_issue = clock.stamp()
+            work = self._launch(buf[:send_n], buf[send_n : send_n + recv_n], ssz, rsz)
+            sent += send_n * itemsize
+            received += recv_n * itemsize
+            if k == 0:  # local copies overlap the first bucket on the wire
+                self._local_copies(srcs, outs)
+            if pending is not None:
+                self._finish(*pending, outs, itemsize, n)
+            pending = (work, recvs, buf[send_n : send_n + recv_n], send_n, k, t_issue)
+        if pending is not None:
+            self._finish(*pending, outs, itemsize, n)
+        else:
+            self._local_copies(srcs, outs)
+        return sent, received
 
     def _timings(self, elapsed: float) -> dict[str, float]:
         """Pack/wire/unpack/local seconds from this run's stamps (device synchronised);

@@ -157,10 +157,7 @@ class HybridEngine:
         """
         plan, rank = self.engine.plan, self.engine.rank
         out = {}
-        for p, spec in enumerate(plan.specs):
-            sh = plan.train_shards[rank][p]
-            if sh is None:
-                continue
+        for _, spec, sh in plan.held(rank):
             if spec.name not in params:
                 raise KeyError(
                     f"parameter {spec.name!r}: {plan.train.describe()} puts it on rank {rank}, "

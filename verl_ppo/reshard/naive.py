@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from verl_comm.telemetry import CommRecord, CommRecorder
-from verl_ppo.reshard.executor import ReshardStats, _sync, _view, copy_many, flat_storage
+from verl_ppo.reshard.executor import ReshardStats, _sync, _view, copy_many, training_sources
 from verl_ppo.reshard.planner import ReshardPlan, _cells, _cuts, _find
 from verl_ppo.reshard.specs import box_numel, box_shape
 
@@ -139,96 +139,23 @@ class NaiveAllGather:
     ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
         """Same contract as :meth:`ReshardExecutor.run`."""
         plan, r = self.plan, self.rank
-        members = sorted(self.members)
-        g = len(members)
-        srcs, dtype, device = {}, None, None
-        for p, spec in enumerate(plan.specs):
-            sh = plan.train_shards[r][p]
-            if sh is None:
-                continue
-            if spec.name not in train_shards:
-                raise KeyError(f"training shard {spec.name!r} missing on rank {r}")
-            t = train_shards[spec.name]
-            dtype, device = dtype or t.dtype, device or t.device
-            srcs[p] = flat_storage(t, spec.name, sh.numel, dtype)
+        srcs, dtype, device = training_sources(plan, r, train_shards)
         itemsize = torch.empty((), dtype=dtype).element_size()
         _sync(device)
         t0 = time.perf_counter()
-        buckets, cur, cur_b = [], [], 0
-        for p, spec in enumerate(plan.specs):
-            b = spec.numel * itemsize
-            if cur and cur_b + b > self.bucket_bytes:
-                buckets.append(cur)
-                cur, cur_b = [], 0
-            cur.append(p)
-            cur_b += b
-        if cur:
-            buckets.append(cur)
+        buckets = self._buckets(itemsize)
         result, received, sent, peak = {}, 0, 0, 0
         for k, ps in enumerate(buckets):
-            if g == 1:  # this rank holds full weights already: nothing to gather
+            if len(self.members) == 1:  # this rank holds full weights already: nothing to gather
                 fulls = {p: srcs[p].view(plan.specs[p].shape) for p in ps}
                 self._slice(ps, fulls, result, dtype, device)
                 continue
-            sizes = [
-                sum(box_numel(c) for p in ps for c, _, _ in self.contrib[p][m]) for m in members
-            ]
-            chunk = max(sizes)
-            send = torch.empty(chunk, dtype=dtype, device=device)
-            o, dsts, views = 0, [], []
-            for p in ps:
-                for cell, off, strides in self.contrib[p][r]:
-                    k_ = box_numel(cell)
-                    dsts.append(send[o : o + k_].view(box_shape(cell)))
-                    views.append(_view(srcs[p], cell, off, strides))
-                    o += k_
-            copy_many(dsts, views)
-            t_issue = time.perf_counter()
-            mine = sizes[members.index(r)]
-            if len(set(sizes)) == 1:  # equal contributions (ZeRO-3): one all-gather
-                gathered = torch.empty(chunk * g, dtype=dtype, device=device)
-                dist.all_gather_into_tensor(gathered, send, group=self.pg)
-                offs = [i * chunk for i in range(g)]
-                op = "all_gather"
-            else:  # uneven (PP stages): one broadcast per contributing member, exact sizes
-                gathered = torch.empty(sum(sizes), dtype=dtype, device=device)
-                offs = [sum(sizes[:i]) for i in range(g)]
-                for i, m in enumerate(members):
-                    seg = gathered[offs[i] : offs[i] + sizes[i]]
-                    if m == r:
-                        seg.copy_(send[: sizes[i]])
-                    if sizes[i]:
-                        dist.broadcast(seg, src=self._global(m), group=self.pg)
-                op = "broadcast"
-            received += (sum(sizes) - mine) * itemsize
-            sent += mine * itemsize
-            if self.recorder is not None:
-                self.recorder.record(
-                    CommRecord(
-                        op,
-                        mine * itemsize,
-                        g,
-                        time.perf_counter() - t_issue,
-                        f"reshard_naive/bucket{k}",
-                        t_issue,
-                    )
-                )
-            fulls = {p: torch.empty(plan.specs[p].shape, dtype=dtype, device=device) for p in ps}
-            dsts, views = [], []
-            for i, m in enumerate(members):
-                o = offs[i]
-                for p in ps:
-                    for cell, _, _ in self.contrib[p][m]:
-                        k_ = box_numel(cell)
-                        dsts.append(fulls[p][tuple(slice(a, b) for a, b in cell)])
-                        views.append(gathered[o : o + k_].view(box_shape(cell)))
-                        o += k_
-            copy_many(dsts, views)
-            bucket_bytes = (send.numel() + gathered.numel()) * itemsize
-            bucket_bytes += sum(f.numel() for f in fulls.values()) * itemsize
-            peak = max(peak, bucket_bytes)
+            fulls, b_sent, b_received, b_bytes = self._gather(k, ps, srcs, itemsize)
+            received += b_received
+            sent += b_sent
+            peak = max(peak, b_bytes)
             self._slice(ps, fulls, result, dtype, device)
-            del fulls, gathered, send, dsts, views
+            del fulls
         _sync(device)
         roll_bytes = plan.rollout_elems[r] * itemsize
         stats = ReshardStats(
@@ -241,3 +168,105 @@ class NaiveAllGather:
             buckets=len(buckets),
         )
         return result, stats
+
+    def _buckets(self, itemsize: int) -> list[list[int]]:
+        """Parameter indices in buckets of full-size bytes up to ``bucket_bytes`` (at least
+        one parameter each), in parameter order."""
+        buckets, cur, cur_b = [], [], 0
+        for p, spec in enumerate(self.plan.specs):
+            b = spec.numel * itemsize
+            if cur and cur_b + b > self.bucket_bytes:
+                buckets.append(cur)
+                cur, cur_b = [], 0
+            cur.append(p)
+            cur_b += b
+        if cur:
+            buckets.append(cur)
+        return buckets
+
+    def _gather(
+        self, k: int, ps: list[int], srcs: dict[int, torch.Tensor], itemsize: int
+    ) -> tuple[dict[int, torch.Tensor], int, int, int]:
+        """Bucket ``k`` (parameters ``ps``) gathered in full over the group.
+
+        Returns:
+            (full parameters by index, bytes sent, bytes received, transient bytes).
+        """
+        r = self.rank
+        members = sorted(self.members)
+        sizes = [sum(box_numel(c) for p in ps for c, _, _ in self.contrib[p][m]) for m in members]
+        send = self._pack(ps, srcs, max(sizes))
+        t_issue = time.perf_counter()
+        mine = sizes[members.index(r)]
+        gathered, offs, op = self._exchange(send, sizes)
+        if self.recorder is not None:
+            self.recorder.record(
+                CommRecord(
+                    op,
+                    mine * itemsize,
+                    len(members),
+                    time.perf_counter() - t_issue,
+                    f"reshard_naive/bucket{k}",
+                    t_issue,
+                )
+            )
+        fulls = self._unpack(ps, gathered, offs)
+        bucket_bytes = (send.numel() + gathered.numel()) * itemsize
+        bucket_bytes += sum(f.numel() for f in fulls.values()) * itemsize
+        return fulls, mine * itemsize, (sum(sizes) - mine) * itemsize, bucket_bytes
+
+    def _pack(self, ps: list[int], srcs: dict[int, torch.Tensor], chunk: int) -> torch.Tensor:
+        """This rank's contribution to the bucket, ``chunk`` elements (the tail unused when
+        it contributes less)."""
+        src0 = srcs[next(iter(srcs))]
+        send = torch.empty(chunk, dtype=src0.dtype, device=src0.device)
+        o, dsts, views = 0, [], []
+        for p in ps:
+            for cell, off, strides in self.contrib[p][self.rank]:
+                k_ = box_numel(cell)
+                dsts.append(send[o : o + k_].view(box_shape(cell)))
+                views.append(_view(srcs[p], cell, off, strides))
+                o += k_
+        copy_many(dsts, views)
+        return send
+
+    def _exchange(
+        self, send: torch.Tensor, sizes: list[int]
+    ) -> tuple[torch.Tensor, list[int], str]:
+        """Every member's contribution: one all-gather when all are equal (ZeRO-3), else one
+        broadcast per contributing member with exact sizes (PP stages). Returns the gathered
+        buffer, each member's offset in it and the collective's name."""
+        members, g, chunk = sorted(self.members), len(self.members), max(sizes)
+        if len(set(sizes)) == 1:  # equal contributions (ZeRO-3): one all-gather
+            gathered = torch.empty(chunk * g, dtype=send.dtype, device=send.device)
+            dist.all_gather_into_tensor(gathered, send, group=self.pg)
+            return gathered, [i * chunk for i in range(g)], "all_gather"
+        gathered = torch.empty(sum(sizes), dtype=send.dtype, device=send.device)
+        offs = [sum(sizes[:i]) for i in range(g)]
+        for i, m in enumerate(members):
+            seg = gathered[offs[i] : offs[i] + sizes[i]]
+            if m == self.rank:
+                seg.copy_(send[: sizes[i]])
+            if sizes[i]:
+                dist.broadcast(seg, src=self._global(m), group=self.pg)
+        return gathered, offs, "broadcast"
+
+    def _unpack(
+        self, ps: list[int], gathered: torch.Tensor, offs: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """The full parameters ``ps`` assembled from the members' contributions."""
+        specs = self.plan.specs
+        fulls = {
+            p: torch.empty(specs[p].shape, dtype=gathered.dtype, device=gathered.device) for p in ps
+        }
+        dsts, views = [], []
+        for i, m in enumerate(sorted(self.members)):
+            o = offs[i]
+            for p in ps:
+                for cell, _, _ in self.contrib[p][m]:
+                    k_ = box_numel(cell)
+                    dsts.append(fulls[p][tuple(slice(a, b) for a, b in cell)])
+                    views.append(gathered[o : o + k_].view(box_shape(cell)))
+                    o += k_
+        copy_many(dsts, views)
+        return fulls

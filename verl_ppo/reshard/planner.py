@@ -90,6 +90,12 @@ class ReshardPlan:
         """Ranks in the plan."""
         return self.train.world_size
 
+    def held(self, rank: int, rollout: bool = False) -> list[tuple[int, ParamSpec, Shard]]:
+        """``(param index, spec, shard)`` of each parameter ``rank`` holds in the training
+        layout (or the rollout layout), in parameter order."""
+        shards = (self.rollout_shards if rollout else self.train_shards)[rank]
+        return [(p, s, sh) for p, (s, sh) in enumerate(zip(self.specs, shards)) if sh is not None]
+
 
 def _holdings(specs, layout: ParallelLayout, dims: ModelDims):
     return tuple(

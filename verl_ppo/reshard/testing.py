@@ -68,21 +68,11 @@ def emulated_train_shards(
 
     An emulation of the training layout for tests and benchmarks of the planner and
     executor; training engines are read as they are (``HybridEngine.train_shards``)."""
-    out = {}
-    for p, spec in enumerate(plan.specs):
-        sh = plan.train_shards[rank][p]
-        if sh is not None:
-            out[spec.name] = slice_shard(full[spec.name], sh)
-    return out
+    return {s.name: slice_shard(full[s.name], sh) for _, s, sh in plan.held(rank)}
 
 
 def expected_rollout(
     plan: ReshardPlan, rank: int, full: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """``rank``'s rollout shards sliced directly from full weights (the reference)."""
-    out = {}
-    for p, spec in enumerate(plan.specs):
-        sh = plan.rollout_shards[rank][p]
-        if sh is not None:
-            out[spec.name] = slice_shard(full[spec.name], sh)
-    return out
+    return {s.name: slice_shard(full[s.name], sh) for _, s, sh in plan.held(rank, rollout=True)}

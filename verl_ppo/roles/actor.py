@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from verl_ppo.algorithms import POLICY_LOSSES, agg_loss, kl_penalty, masked_mean
-from verl_ppo.roles.common import forward_in_micro_batches, log_prob_fn, run_update
+from verl_ppo.roles.common import log_prob_fn, log_probs_in_micro_batches, run_update
 from verl_ppo.step.experience import Experience
 from verl_ppo.workers.strategy import DeepSpeedStrategy
 
@@ -58,15 +58,7 @@ class Actor:
     def compute_log_prob(self, exp: Experience) -> torch.Tensor:
         """Log-probs ``(B, R)`` of the responses under the current policy (no grad)."""
         self.module.eval()
-        return forward_in_micro_batches(
-            exp,
-            lambda mb: self.lp_fn(
-                self.module, mb.input_ids, mb.attention_mask, exp.prompt_len, self.temperature
-            )[0],
-            self.micro_batch_size,
-            self.max_tokens_no_grad,
-            self.packing,
-        )
+        return log_probs_in_micro_batches(self, self.module, exp)
 
     def update(
         self, exp: Experience, num_mini_batches: int, ppo_epochs: int, on_policy: bool = False

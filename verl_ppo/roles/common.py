@@ -153,6 +153,21 @@ def forward_in_micro_batches(
     return out
 
 
+def log_probs_in_micro_batches(role: Any, model: torch.nn.Module, exp: Any) -> torch.Tensor:
+    """Log-probs ``(B, R)`` float32 of ``exp``'s responses under ``model``, through
+    ``role.lp_fn`` at ``role.temperature`` in the role's no-grad micro-batches
+    (``micro_batch_size``, ``max_tokens_no_grad``, ``packing``); the caller disables grad."""
+    return forward_in_micro_batches(
+        exp,
+        lambda mb: role.lp_fn(
+            model, mb.input_ids, mb.attention_mask, exp.prompt_len, role.temperature
+        )[0],
+        role.micro_batch_size,
+        role.max_tokens_no_grad,
+        role.packing,
+    )
+
+
 def micro_step(strategy, loss: torch.Tensor, boundary: bool | None) -> None:
     """Backward of one micro-batch's loss (with the strategy's gradient communication), then
     DeepSpeed's step (which only updates at the accumulation boundary). ``boundary``

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_ppo.roles.common import forward_in_micro_batches, log_prob_fn
+from verl_ppo.roles.common import log_prob_fn, log_probs_in_micro_batches
 from verl_ppo.step.experience import Experience
 
 
@@ -38,12 +38,4 @@ class Reference:
     @torch.no_grad()
     def compute_log_prob(self, exp: Experience) -> torch.Tensor:
         """Reference log-probs ``(B, R)`` float32 of ``exp``'s responses."""
-        return forward_in_micro_batches(
-            exp,
-            lambda mb: self.lp_fn(
-                self.model, mb.input_ids, mb.attention_mask, exp.prompt_len, self.temperature
-            )[0],
-            self.micro_batch_size,
-            self.max_tokens_no_grad,
-            self.packing,
-        )
+        return log_probs_in_micro_batches(self, self.model, exp)

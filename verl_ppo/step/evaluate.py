@@ -175,11 +175,19 @@ def print_table(rows: list[dict[str, Any]], limit: int = 8) -> None:
         )
 
 
-def eval_main(argv: list[str] | None = None) -> int:
-    """``verl-ppo eval --model M [--task T] [--n 64] ...``; returns the exit code."""
-    from verl_ppo.config import PPOConfig
+def _load(prog: str, model: str, device: str) -> LoadedModel | None:
+    """The model of a command line (progress and errors on stderr); None after an error."""
     from verl_ppo.data.model_store import ModelStoreError
 
+    print(f"{prog}: loading {model} ...", file=sys.stderr, flush=True)
+    try:
+        return load_model(model, device)
+    except (ModelStoreError, ExportError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+
+
+def _eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="verl-ppo eval", description="Greedy held-out score of a model on a task."
     )
@@ -199,12 +207,16 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default=None, help="JSONL file (default: RUN_DIR/eval or ./)")
     p.add_argument("--show", type=int, default=8, help="samples printed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a = p.parse_args(argv)
-    print(f"verl-ppo eval: loading {a.model} ...", file=sys.stderr, flush=True)
-    try:
-        lm = load_model(a.model, a.device)
-    except (ModelStoreError, ExportError) as exc:
-        print(f"verl-ppo eval: {exc}", file=sys.stderr)
+    return p
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    """``verl-ppo eval --model M [--task T] [--n 64] ...``; returns the exit code."""
+    from verl_ppo.config import PPOConfig
+
+    a = _eval_parser().parse_args(argv)
+    lm = _load("verl-ppo eval", a.model, a.device)
+    if lm is None:
         return 2
     if a.config is not None:
         from verl_ppo.config import ConfigError, load_config
@@ -261,8 +273,6 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 def generate_main(argv: list[str] | None = None) -> int:
     """``verl-ppo generate --model M --prompt "..."``: one completion in the chat template."""
-    from verl_ppo.data.model_store import ModelStoreError
-
     p = argparse.ArgumentParser(
         prog="verl-ppo generate", description="Complete one prompt in the model's chat template."
     )
@@ -274,11 +284,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
-    print(f"verl-ppo eval: loading {a.model} ...", file=sys.stderr, flush=True)
-    try:
-        lm = load_model(a.model, a.device)
-    except (ModelStoreError, ExportError) as exc:
-        print(f"verl-ppo generate: {exc}", file=sys.stderr)
+    lm = _load("verl-ppo generate", a.model, a.device)
+    if lm is None:
         return 2
     tok = lm.tokenizer
     if not getattr(tok, "chat_template", None):
