@@ -58,22 +58,49 @@ class ModelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Prompt source: a reasoning-gym task."""
+    """Prompt source: a built-in reasoning-gym task, or verl-format files
+    (:mod:`verl_ppo.data.verl_format`; keys named as verl names them)."""
 
-    task: str = Field(
-        "basic_arithmetic", description="basic_arithmetic|chain_sum|countdown|gsm_symbolic"
+    task: str | None = Field(
+        "basic_arithmetic",
+        description="basic_arithmetic|chain_sum|countdown|gsm_symbolic; null with train_files",
     )
     task_kwargs: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym overrides")
     train_size: int = Field(
         10_000, gt=0, description="train generator draws (held-out questions skipped; cycled)"
     )
     eval_size: int = Field(
-        32, ge=0, description="distinct held-out prompts scored greedily; 0 = no eval"
+        32,
+        ge=0,
+        description="distinct held-out prompts scored greedily (with val_files: the first "
+        "eval_size rows kept); 0 = no eval",
     )
-    max_prompt_len: int = Field(160, gt=0, description="prompts longer than this (tokens) fail")
+    train_files: list[str] | None = Field(
+        None,
+        description="verl-format parquet or JSON-lines files (data_source, prompt, ability, "
+        "reward_model, extra_info), read in order and cycled; set data.task=null",
+    )
+    val_files: list[str] | None = Field(
+        None, description="verl-format files whose first eval_size rows are the eval prompts"
+    )
+    prompt_key: str = Field("prompt", description="column of the chat messages (files only)")
+    max_prompt_length: int = Field(
+        160, gt=0, description="prompt limit in tokens (after the chat template)"
+    )
+    filter_overlong_prompts: bool = Field(
+        False,
+        description="files: skip rows over max_prompt_length (counted in the log); false = "
+        "refuse the job at preflight, naming the row",
+    )
     pad_prompt_to: int | None = Field(
         None, gt=0, description="left-pad every prompt batch to this many tokens (benchmarks)"
     )
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: Any) -> Any:
+        """A single path may be written without a list, as verl allows."""
+        return [v] if isinstance(v, str) else v
 
 
 class RolloutConfig(_Strict):
@@ -278,6 +305,20 @@ class ProfilerConfig(_Strict):
     torch_profiler: bool = Field(True, description="also run torch.profiler (Chrome traces)")
 
 
+class CustomRewardFunctionConfig(_Strict):
+    """``reward.custom_reward_function``: a Python file and a function with verl's signature
+    ``compute_score(data_source, solution_str, ground_truth, extra_info)``
+    (:mod:`verl_ppo.reward.custom`)."""
+
+    path: str | None = Field(None, description="the Python file; None = no custom function")
+    name: str = Field("compute_score", description="the function's name in that file")
+    on_error: Literal["raise", "zero"] = Field(
+        "raise",
+        description="an exception in the function: raise = stop the job naming the sample; "
+        "zero = score 0, counted (reward/custom_errors) with a warning",
+    )
+
+
 class RewardConfig(_Strict):
     """How responses are scored."""
 
@@ -285,6 +326,15 @@ class RewardConfig(_Strict):
         "rule",
         description="rule (the task's reasoning-gym scorer), minilm, a HF folder, or the URL "
         "of a `verl-ppo reward-server`",
+    )
+    custom_reward_function: CustomRewardFunctionConfig = Field(
+        default_factory=CustomRewardFunctionConfig
+    )
+    num_workers: int = Field(
+        1,
+        ge=1,
+        description="processes calling the custom reward function (> 1: a process pool, so "
+        "Python scoring runs beside generation)",
     )
     cache_entries: int = Field(
         0, ge=0, description="LRU cache keyed by the exact prompt+response tokens; 0 = off"
