@@ -133,7 +133,8 @@ class RuleReward:
         name = meta.get("source_dataset") if isinstance(meta, dict) else None
         if not isinstance(name, str):
             raise RewardInputError(
-                "entry has no metadata.source_dataset naming its reasoning-gym dataset; "
+                "entry has no metadata.source_dataset naming its reasoning-gym dataset "
+                "(nor, as a verl-format row, data_source and reward_model.ground_truth); "
                 "pass score_fn=... to RuleReward for entries of other origin"
             )
         if self.extract_fn is None:
