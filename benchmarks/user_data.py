@@ -171,7 +171,7 @@ def part_reward(a: argparse.Namespace, tmp: Path, base: dict) -> list[dict]:
 
     def over(name: str, w: int) -> list[str]:
         return [
-        f"run_dir={tmp}/{name}", "comm.nproc=1", "data.task=null", "data.task_kwargs={}",
+        f"run_dir={tmp}/{name}", "comm.nproc=1", "data.task=null", "data.task_kwargs=null",
         f"data.train_files=[{train}]", "data.eval_size=0",
         f"reward.custom_reward_function.path={SLEEP_REWARD}", f"reward.num_workers={w}",
         f"train.rollout_batch_size={a.samples}", f"train.ppo_mini_batch_size={a.samples}",
@@ -240,7 +240,7 @@ def part_job(a: argparse.Namespace, tmp: Path, base: dict) -> list[dict]:
     cfg = load_config(REPO / a.job_config)
     train = _export(a.job_config, "train", max(train_rows_drawn(cfg), 64), tmp / "j_train.parquet")
     val = _export(a.job_config, "eval", cfg.data.eval_size, tmp / "j_val.parquet")
-    files = ["data.task=null", "data.task_kwargs={}", f"data.train_files=[{train}]",
+    files = ["data.task=null", "data.task_kwargs=null", f"data.train_files=[{train}]",
              f"data.val_files=[{val}]", f"reward.custom_reward_function.path={EXAMPLE_REWARD}"]  # fmt: skip
     t0 = time.perf_counter()
     runs = {"builtin": _train(a.job_config, tmp / "builtin", [], a.smoke)}

@@ -11,7 +11,7 @@ default job both ways).
 
 Use::
 
-    verl-ppo train --config configs/default.yaml data.task=null data.task_kwargs={} \\
+    verl-ppo train --config configs/default.yaml data.task=null data.task_kwargs=null \\
         data.train_files=data/train.parquet data.val_files=data/val.parquet \\
         reward.custom_reward_function.path=examples/arithmetic_reward.py
 """

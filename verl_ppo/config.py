@@ -65,7 +65,10 @@ class DataConfig(_Strict):
         "basic_arithmetic",
         description="basic_arithmetic|chain_sum|countdown|gsm_symbolic; null with train_files",
     )
-    task_kwargs: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym overrides")
+    task_kwargs: dict[str, Any] | None = Field(
+        default_factory=dict,
+        description="reasoning-gym overrides; null clears a file's (overrides merge into dicts)",
+    )
     train_size: int = Field(
         10_000, gt=0, description="train generator draws (held-out questions skipped; cycled)"
     )

@@ -253,6 +253,15 @@ def test_write_rows_round_trips_jsonl_and_parquet(tmp_path):
         ({"reward.custom_reward_function.on_error": "zero"}, "on_error"),
         ({"reward.custom_reward_function.path": "f.py", "reward.model": "minilm"}, "both score"),
         ({"data.task": None}, "no prompts"),
+        (
+            {
+                "data.task": None,
+                "data.train_files": ["t.jsonl"],
+                "data.eval_size": 0,
+                "data.task_kwargs": {"max_digits": 1},
+            },
+            "data.task_kwargs=null",
+        ),  # fmt: skip
     ],
 )
 def test_keys_that_cannot_apply_are_refused(over, key):
@@ -299,3 +308,60 @@ def test_tiny_run_from_files_equals_builtin(tmp_path):
     # same prompts, same sampling seed, same float arithmetic: bit-equal by construction
     assert builtin[:4] == files[:4]
     assert builtin[4] is None and files[4] is not None  # the function's extra value logged
+
+
+@pytest.mark.timeout(300)
+def test_server_rule_model_scores_verl_rows_like_the_task():
+    """``reward-server --model rule`` given verl-format rows (as exported, and bare: only
+    data_source and ground_truth) scores like the trainer's in-process task reward: the
+    800 cases of test_reward_rule_server (4 tasks, cut-off and tag-less answers)."""
+    import torch
+
+    from tests.verl_ppo.test_reward_rule_server import _cases
+    from verl_ppo.data.verl_format import task_row
+    from verl_ppo.reward import RemoteReward, RewardServer
+    from verl_ppo.reward.factory import build_reward_model
+
+    tasks, batch, names = _cases()
+    by_name = {t.name: t for t in tasks}
+    local = [by_name[n].score(r, e) for n, r, e in zip(names, batch.responses, batch.entries)]
+    local = torch.tensor(local, dtype=torch.float32).tolist()  # rewards travel as float32
+    rows = [task_row(n, e, "train", i) for i, (n, e) in enumerate(zip(names, batch.entries))]
+    bare = [{"data_source": r["data_source"], "reward_model": r["reward_model"]} for r in rows]
+    with RewardServer(build_reward_model("rule"), port=0) as server:
+        client = RemoteReward(server.url, timeout_s=60)
+        for entries in (rows, bare):
+            sent = RewardBatch(batch.prompt_ids, batch.response_ids, batch.prompts,
+                               batch.responses, entries)  # fmt: skip
+            got = torch.cat(
+                [client.score(sent.select(range(s, s + 200))) for s in range(0, 800, 200)]
+            )
+            if entries is rows:  # exact entries: every task, countdown included
+                assert got.tolist() == local
+            else:  # the answer alone: the arithmetic tasks' scorers need nothing else
+                ok = [i for i, n in enumerate(names) if n in ("basic_arithmetic", "chain_sum")]
+                assert [got[i].item() for i in ok] == [local[i] for i in ok]
+
+
+def test_readme_path_commands_are_valid():
+    """The README's "Your data and your reward" commands: the export lines parse, the train
+    line's overrides build a valid config on configs/default.yaml, its function loads."""
+    import re
+    import shlex
+
+    from verl_ppo.config import load_config
+    from verl_ppo.data.export_cli import _parser
+    from verl_ppo.reward.custom import load_function
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text.split("## Your data and your reward", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.replace("\\\n", " ") for b in re.findall(r"```bash\n(.*?)\n```", section, re.S)]
+    exports = [ln for b in blocks for ln in b.splitlines() if ln.startswith("verl-ppo data")]
+    assert len(exports) == 2
+    for line in exports:
+        _parser().parse_args(shlex.split(line)[3:])
+    train = next(ln for b in blocks for ln in b.splitlines() if ln.startswith("verl-ppo train"))
+    args = shlex.split(train)[2:]
+    cfg = load_config(os.path.join(ROOT, args[1]), args[2:])
+    assert cfg.data.train_files and cfg.data.val_files and cfg.data.task is None
+    load_function(os.path.join(ROOT, cfg.reward.custom_reward_function.path))

@@ -139,7 +139,7 @@ def _task_only(key: str) -> Callable[[Any, Facts], str | None]:
     def problem(cfg: Any, f: Facts) -> str | None:
         d = cfg.data
         v = getattr(d, key)
-        unset = v is None if key == "task" else v == _data_default(key)
+        unset = v is None or (key != "task" and v == _data_default(key))
         if not d.train_files or unset:
             return None
         return f"data.{key}={v!r} and data.train_files={d.train_files} both name the prompts"
@@ -323,7 +323,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("data.task", "data.train_files"), _task_only("task"),
          "set data.task=null to train on the files, or drop data.train_files"),
     Rule(("data.task_kwargs", "data.train_files"), _task_only("task_kwargs"),
-         "set data.task_kwargs={} (they configure a built-in task)"),
+         "set data.task_kwargs=null (they configure a built-in task)"),
     Rule(("data.train_size", "data.train_files"), _task_only("train_size"),
          "drop data.train_size (the files' rows are the train prompts, cycled)"),
     *(Rule((f"data.{k}", "data.train_files"), _files_only(k),
