@@ -59,42 +59,23 @@ class ModelConfig(_Strict):
 
 class DataConfig(_Strict):
     """Prompt source: a built-in reasoning-gym task, or verl-format files
-    (:mod:`verl_ppo.data.verl_format`; keys named as verl names them)."""
+    (:mod:`verl_ppo.data.verl_format`; file keys named as verl names them)."""
 
     task: str | None = Field(
-        "basic_arithmetic",
-        description="basic_arithmetic|chain_sum|countdown|gsm_symbolic; null with train_files",
+        "basic_arithmetic", description="basic_arithmetic|chain_sum|countdown|gsm_symbolic|null"
     )
     task_kwargs: dict[str, Any] | None = Field(
-        default_factory=dict,
-        description="reasoning-gym overrides; null clears a file's (overrides merge into dicts)",
+        default_factory=dict, description="reasoning-gym overrides (null clears a file's)"
     )
     train_size: int = Field(
         10_000, gt=0, description="train generator draws (held-out questions skipped; cycled)"
     )
-    eval_size: int = Field(
-        32,
-        ge=0,
-        description="distinct held-out prompts scored greedily (with val_files: the first "
-        "eval_size rows kept); 0 = no eval",
-    )
-    train_files: list[str] | None = Field(
-        None,
-        description="verl-format parquet or JSON-lines files (data_source, prompt, ability, "
-        "reward_model, extra_info), read in order and cycled; set data.task=null",
-    )
-    val_files: list[str] | None = Field(
-        None, description="verl-format files whose first eval_size rows are the eval prompts"
-    )
-    prompt_key: str = Field("prompt", description="column of the chat messages (files only)")
-    max_prompt_length: int = Field(
-        160, gt=0, description="prompt limit in tokens (after the chat template)"
-    )
-    filter_overlong_prompts: bool = Field(
-        False,
-        description="files: skip rows over max_prompt_length (counted in the log); false = "
-        "refuse the job at preflight, naming the row",
-    )
+    eval_size: int = Field(32, ge=0, description="held-out prompts (or val rows); 0 = no eval")
+    train_files: list[str] | None = Field(None, description="verl-format parquet/JSON-lines")
+    val_files: list[str] | None = Field(None, description="the eval rows' files")
+    prompt_key: str = Field("prompt", description="the chat-messages column (files)")
+    max_prompt_length: int = Field(160, gt=0, description="prompt tokens after the template")
+    filter_overlong_prompts: bool = Field(False, description="skip overlong rows, else refuse")
     pad_prompt_to: int | None = Field(
         None, gt=0, description="left-pad every prompt batch to this many tokens (benchmarks)"
     )
@@ -102,8 +83,7 @@ class DataConfig(_Strict):
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
     def _one_or_more(cls, v: Any) -> Any:
-        """A single path may be written without a list, as verl allows."""
-        return [v] if isinstance(v, str) else v
+        return [v] if isinstance(v, str) else v  # one path without a list, as verl allows
 
 
 class RolloutConfig(_Strict):
@@ -309,17 +289,12 @@ class ProfilerConfig(_Strict):
 
 
 class CustomRewardFunctionConfig(_Strict):
-    """``reward.custom_reward_function``: a Python file and a function with verl's signature
-    ``compute_score(data_source, solution_str, ground_truth, extra_info)``
-    (:mod:`verl_ppo.reward.custom`)."""
+    """A file and a function ``compute_score(data_source, solution_str, ground_truth,
+    extra_info)``, verl's signature (:mod:`verl_ppo.reward.custom`)."""
 
     path: str | None = Field(None, description="the Python file; None = no custom function")
     name: str = Field("compute_score", description="the function's name in that file")
-    on_error: Literal["raise", "zero"] = Field(
-        "raise",
-        description="an exception in the function: raise = stop the job naming the sample; "
-        "zero = score 0, counted (reward/custom_errors) with a warning",
-    )
+    on_error: Literal["raise", "zero"] = Field("raise", description="stop, or score 0 counted")
 
 
 class RewardConfig(_Strict):
@@ -333,12 +308,7 @@ class RewardConfig(_Strict):
     custom_reward_function: CustomRewardFunctionConfig = Field(
         default_factory=CustomRewardFunctionConfig
     )
-    num_workers: int = Field(
-        1,
-        ge=1,
-        description="processes calling the custom reward function (> 1: a process pool, so "
-        "Python scoring runs beside generation)",
-    )
+    num_workers: int = Field(1, ge=1, description="processes calling the custom function")
     cache_entries: int = Field(
         0, ge=0, description="LRU cache keyed by the exact prompt+response tokens; 0 = off"
     )
