@@ -233,12 +233,16 @@ def test_export_then_train_draws_the_builtin_batches(tmp_path, tok):
             assert rule == want and custom.score(batch).tolist() == pytest.approx(want, abs=1e-7)
 
 
-def test_write_rows_round_trips_jsonl_and_parquet(tmp_path):
-    task = Task("chain_sum", eval_size=2, seed=3)
+@pytest.mark.parametrize("name", ["chain_sum", "gsm_symbolic"])  # Fractions in metadata
+def test_write_rows_round_trips_jsonl_and_parquet(tmp_path, name):
+    task = Task(name, eval_size=2, seed=3)
     rows = list(task_rows(task, "train", 5))
-    for name in ("r.jsonl", "r.parquet"):
-        back = read_rows(write_rows(rows, tmp_path / name))
+    for file in ("r.jsonl", "r.parquet"):
+        back = read_rows(write_rows(rows, tmp_path / file))
         assert [back[i] for i in range(5)] == rows
+    for i, r in enumerate(rows):  # the rule reward scores an exported row as the task does
+        for text in (f"<answer>{task.train[i]['answer']}</answer>", "<answer>-1</answer>"):
+            assert RuleReward().score_one(text, r) == task.score(text, task.train[i])
 
 
 # ---------------------------------------------------------------- config

@@ -233,7 +233,9 @@ def task_row(task_name: str, entry: dict, split: str, index: int) -> dict:
             "split": split,
             "index": index,
             "question": entry["question"],
-            "rg_entry": json.dumps(entry),
+            # metadata values JSON lacks (gsm_symbolic's Fractions) as text: scorers read
+            # the question and answer, not those
+            "rg_entry": json.dumps(entry, default=str),
         },
     }
 
