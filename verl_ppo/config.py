@@ -58,22 +58,32 @@ class ModelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Prompt source: a reasoning-gym task."""
+    """Prompt source: a built-in reasoning-gym task, or verl-format files
+    (:mod:`verl_ppo.data.verl_format`; file keys named as verl names them)."""
 
-    task: str = Field(
-        "basic_arithmetic", description="basic_arithmetic|chain_sum|countdown|gsm_symbolic"
+    task: str | None = Field(
+        "basic_arithmetic", description="basic_arithmetic|chain_sum|countdown|gsm_symbolic|null"
     )
-    task_kwargs: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym overrides")
+    task_kwargs: dict[str, Any] | None = Field(
+        default_factory=dict, description="reasoning-gym overrides (null clears a file's)"
+    )
     train_size: int = Field(
         10_000, gt=0, description="train generator draws (held-out questions skipped; cycled)"
     )
-    eval_size: int = Field(
-        32, ge=0, description="distinct held-out prompts scored greedily; 0 = no eval"
-    )
-    max_prompt_len: int = Field(160, gt=0, description="prompts longer than this (tokens) fail")
+    eval_size: int = Field(32, ge=0, description="held-out prompts (or val rows); 0 = no eval")
+    train_files: list[str] | None = Field(None, description="verl-format parquet/JSON-lines")
+    val_files: list[str] | None = Field(None, description="the eval rows' files")
+    prompt_key: str = Field("prompt", description="the chat-messages column (files)")
+    max_prompt_length: int = Field(160, gt=0, description="prompt tokens after the template")
+    filter_overlong_prompts: bool = Field(False, description="skip overlong rows, else refuse")
     pad_prompt_to: int | None = Field(
         None, gt=0, description="left-pad every prompt batch to this many tokens (benchmarks)"
     )
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v  # one path without a list, as verl allows
 
 
 class RolloutConfig(_Strict):
@@ -278,6 +288,15 @@ class ProfilerConfig(_Strict):
     torch_profiler: bool = Field(True, description="also run torch.profiler (Chrome traces)")
 
 
+class CustomRewardFunctionConfig(_Strict):
+    """A file and a function ``compute_score(data_source, solution_str, ground_truth,
+    extra_info)``, verl's signature (:mod:`verl_ppo.reward.custom`)."""
+
+    path: str | None = Field(None, description="the Python file; None = no custom function")
+    name: str = Field("compute_score", description="the function's name in that file")
+    on_error: Literal["raise", "zero"] = Field("raise", description="stop, or score 0 counted")
+
+
 class RewardConfig(_Strict):
     """How responses are scored."""
 
@@ -286,6 +305,10 @@ class RewardConfig(_Strict):
         description="rule (the task's reasoning-gym scorer), minilm, a HF folder, or the URL "
         "of a `verl-ppo reward-server`",
     )
+    custom_reward_function: CustomRewardFunctionConfig = Field(
+        default_factory=CustomRewardFunctionConfig
+    )
+    num_workers: int = Field(1, ge=1, description="processes calling the custom function")
     cache_entries: int = Field(
         0, ge=0, description="LRU cache keyed by the exact prompt+response tokens; 0 = off"
     )

@@ -41,7 +41,7 @@ from verl_comm.profiler import VerlProfiler
 from verl_comm.telemetry import CommRecorder
 from verl_ppo.algorithms import make_kl_controller
 from verl_ppo.config import PPOConfig, build_config, load_config
-from verl_ppo.data.tasks import Task
+from verl_ppo.data.file_source import build_prompt_source
 from verl_ppo.job.fast_path import ModelFacts, layouts, model_config_of, resolve
 from verl_ppo.launch import launch
 from verl_ppo.observe.metrics import get_logger, progress_bar
@@ -130,13 +130,8 @@ class PPOTrainer:
             cfg.profiler, recorder=self.recorder, rank=self.rank
         )
         self.tokenizer = load_tokenizer(cfg.model)
-        self.task = Task(
-            cfg.data.task,
-            train_size=cfg.data.train_size,
-            eval_size=cfg.data.eval_size,
-            seed=cfg.seed,
-            overrides=cfg.data.task_kwargs,
-        )
+        # a built-in task, or verl-format files (data.train_files); rank 0 logs the rows
+        self.task = build_prompt_source(cfg, self.tokenizer, self.log if self.rank == 0 else None)
         w = self.workers = Workers(
             cfg, self.job, self.ctx, self.device, self.d, self.tokenizer, self.task,
             self.recorder, self.log, rollout_layout,

@@ -21,7 +21,7 @@ from tests.verl_ppo._run import run_job
 from verl_ppo.config import ConfigError, build_config
 
 OFFLOAD = ["actor.offload_optimizer=true", "critic.offload_optimizer=true"]
-TASK = ["data.task=countdown", "data.max_prompt_len=256", "data.eval_size=0"]
+TASK = ["data.task=countdown", "data.max_prompt_length=256", "data.eval_size=0"]
 
 
 @pytest.mark.parametrize("method", ["int8", "bf16"])

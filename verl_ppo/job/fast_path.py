@@ -310,7 +310,7 @@ def with_token_budget(
         no activations, at least one mini-batch) and the reason.
     """
     given = cfg.train.max_tokens_per_micro_batch
-    cap = local_mini_batch * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    cap = local_mini_batch * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
     budget = None if given == "auto" else given
     if job.pipeline_parallel_size > 1:
         why = f"None ({PP_KEY}={job.pipeline_parallel_size}: fixed-size pipeline micro-batches)"

@@ -7,7 +7,10 @@ mistake costs seconds, not a model load on every rank:
 
 - batch shapes against the world size (:meth:`PPOConfig.derived`: rollout and mini-batch
   per rank, micro-batches, samples per prompt);
-- the task name and ``data.task_kwargs`` (reasoning-gym builds the dataset config);
+- the task name and ``data.task_kwargs`` (reasoning-gym builds the dataset config), or the
+  verl-format ``data.train_files`` / ``data.val_files``: every row's columns and types, and
+  the lengths of the prompts the job will draw against ``data.max_prompt_length``
+  (:func:`check_data`); ``reward.custom_reward_function`` loads and takes verl's arguments;
 - the model folder (the packaged SmolLM2 is converted into its cache here, once) and, with
   the hybrid engine on, its heads, KV heads, intermediate size, vocabulary and layers
   against the training and rollout layouts (the same
@@ -99,6 +102,71 @@ def check_comm(cfg: PPOConfig) -> None:
         raise PreflightError(f"reward.model={spec!r} is not a reward model: use {SPECS}")
 
 
+def check_data(cfg: PPOConfig) -> None:
+    """The prompt source: the built-in task's arguments and eval size, or the verl-format
+    files (:func:`verl_ppo.data.file_source.build_prompt_source`, the trainer's own builder,
+    with the policy's tokenizer); with the rule reward, each file's ``data_source`` values
+    must be reasoning-gym datasets.
+
+    Raises:
+        PreflightError: naming the file, row and column, or the task key, and the fix.
+    """
+    from verl_ppo.data.file_source import build_prompt_source
+    from verl_ppo.data.tasks import Task, TaskError
+    from verl_ppo.data.verl_format import DataFormatError
+
+    d = cfg.data
+    if not d.train_files:
+        try:  # reasoning-gym validates the task arguments; Task checks the held-out size
+            Task(d.task, train_size=1, eval_size=d.eval_size, seed=cfg.seed,
+                 overrides=d.task_kwargs)  # fmt: skip
+        except TaskError as exc:
+            raise PreflightError(str(exc)) from None
+        return
+    from verl_ppo.workers.models import load_tokenizer
+
+    try:
+        source = build_prompt_source(cfg, load_tokenizer(cfg.model))
+    except DataFormatError as exc:
+        raise PreflightError(f"data: {exc}") from None
+    if cfg.reward.custom_reward_function.path is None and cfg.reward.model == "rule":
+        _check_rule_sources(source.train_files + source.val_files)
+
+
+def _check_rule_sources(files: list) -> None:
+    """Every ``data_source`` of ``files`` names a reasoning-gym dataset (the rule reward)."""
+    import reasoning_gym
+
+    for f in files:
+        for name in sorted(set(f.column("data_source"))):
+            try:
+                reasoning_gym.get_score_answer_fn(name)
+            except ValueError:
+                raise PreflightError(
+                    f"data: {f.path!r} has data_source={name!r}, which the rule reward cannot "
+                    "score (not a reasoning-gym dataset): set reward.custom_reward_function.path "
+                    "to your compute_score, or reward.model"
+                ) from None
+
+
+def check_reward(cfg: PPOConfig) -> None:
+    """``reward.custom_reward_function``: the file imports and the function takes verl's
+    arguments (:func:`verl_ppo.reward.custom.load_function`).
+
+    Raises:
+        PreflightError: naming the key and what is wrong.
+    """
+    fn = cfg.reward.custom_reward_function
+    if fn.path is None:
+        return
+    from verl_ppo.reward.custom import CustomRewardError, load_function
+
+    try:
+        load_function(fn.path, fn.name)
+    except CustomRewardError as exc:
+        raise PreflightError(str(exc)) from None
+
+
 def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
     """Every check a config file can fail, for a run of ``world_size`` ranks.
 
@@ -113,22 +181,13 @@ def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
     """
     from verl_comm.distributed.launch import check_port_free
     from verl_ppo.data.model_store import ModelStoreError
-    from verl_ppo.data.tasks import Task, TaskError
 
     try:
         cfg.derived(world_size)
     except ConfigError as exc:
         raise PreflightError(str(exc)) from None
-    try:  # reasoning-gym validates the task arguments; Task checks the held-out size
-        Task(
-            cfg.data.task,
-            train_size=1,
-            eval_size=cfg.data.eval_size,
-            seed=cfg.seed,
-            overrides=cfg.data.task_kwargs,
-        )
-    except TaskError as exc:
-        raise PreflightError(str(exc)) from None
+    check_reward(cfg)
+    check_data(cfg)
     try:
         model_config = model_config_of(cfg)
     except (ModelStoreError, ValueError, OSError) as exc:

@@ -109,7 +109,82 @@ def _task(cfg: Any, f: Facts) -> str | None:
     from verl_ppo.data.tasks import TASKS
 
     v = cfg.data.task
-    return None if v in TASKS else f"data.task: unknown task {v!r} (tasks: {sorted(TASKS)})"
+    if v is None or v in TASKS:
+        return None
+    return f"data.task: unknown task {v!r} (tasks: {sorted(TASKS)})"
+
+
+def _data_default(key: str) -> Any:
+    """The schema's default of ``data.<key>`` (:class:`verl_ppo.config.DataConfig`)."""
+    from verl_ppo.config import DataConfig
+
+    return DataConfig.model_fields[key].get_default(call_default_factory=True)
+
+
+def _files_only(key: str) -> Callable[[Any, Facts], str | None]:
+    """``data.<key>`` off its default without ``data.train_files``."""
+
+    def problem(cfg: Any, f: Facts) -> str | None:
+        v = getattr(cfg.data, key)
+        if cfg.data.train_files or v == _data_default(key):
+            return None
+        return f"data.{key}={v!r} applies to verl-format files, but data.train_files is not set"
+
+    return problem
+
+
+def _task_only(key: str) -> Callable[[Any, Facts], str | None]:
+    """A built-in task's ``data.<key>`` (set, or off its default) with ``data.train_files``."""
+
+    def problem(cfg: Any, f: Facts) -> str | None:
+        d = cfg.data
+        v = getattr(d, key)
+        unset = v is None or (key != "task" and v == _data_default(key))
+        if not d.train_files or unset:
+            return None
+        return f"data.{key}={v!r} and data.train_files={d.train_files} both name the prompts"
+
+    return problem
+
+
+def _no_source(cfg: Any, f: Facts) -> str | None:
+    d = cfg.data
+    return (
+        "data.task=null and no data.train_files: no prompts"
+        if not (d.task or d.train_files)
+        else None
+    )
+
+
+def _eval_rows(cfg: Any, f: Facts) -> str | None:
+    d = cfg.data
+    if not d.train_files or d.val_files or d.eval_size == 0:
+        return None
+    return f"data.eval_size={d.eval_size} with data.train_files but no data.val_files"
+
+
+def _custom_only(key: str, default: Any) -> Callable[[Any, Facts], str | None]:
+    """``reward.<key>`` set off its default without a custom reward function."""
+
+    def problem(cfg: Any, f: Facts) -> str | None:
+        r = cfg.reward
+        node, leaf = (r.custom_reward_function, key.split(".")[-1]) if "." in key else (r, key)
+        v = getattr(node, leaf)
+        if r.custom_reward_function.path is not None or v == default:
+            return None
+        return f"reward.{key}={v!r} needs reward.custom_reward_function.path"
+
+    return problem
+
+
+def _custom_and_model(cfg: Any, f: Facts) -> str | None:
+    r = cfg.reward
+    if r.custom_reward_function.path is None or r.model == "rule":
+        return None
+    return (
+        f"reward.custom_reward_function.path={r.custom_reward_function.path!r} and "
+        f"reward.model={r.model!r} both score the responses"
+    )
 
 
 def _registered(key: str) -> Callable[[Any, Facts], str | None]:
@@ -243,6 +318,26 @@ def _pp_compression(cfg: Any, f: Facts) -> str | None:
 
 RULES: tuple[Rule, ...] = (
     Rule(("data.task",), _task, "set data.task to one of those"),
+    Rule(("data.task", "data.train_files"), _no_source,
+         "set data.train_files (verl-format files) or data.task"),
+    Rule(("data.task", "data.train_files"), _task_only("task"),
+         "set data.task=null to train on the files, or drop data.train_files"),
+    Rule(("data.task_kwargs", "data.train_files"), _task_only("task_kwargs"),
+         "set data.task_kwargs=null (they configure a built-in task)"),
+    Rule(("data.train_size", "data.train_files"), _task_only("train_size"),
+         "drop data.train_size (the files' rows are the train prompts, cycled)"),
+    *(Rule((f"data.{k}", "data.train_files"), _files_only(k),
+           f"set data.train_files, or drop data.{k}")
+      for k in ("val_files", "prompt_key", "filter_overlong_prompts")),
+    Rule(("data.eval_size", "data.val_files"), _eval_rows,
+         "set data.val_files (the eval rows), or data.eval_size=0"),
+    Rule(("reward.custom_reward_function.path", "reward.model"), _custom_and_model,
+         "keep one: reward.model=rule (the default) with the custom function"),
+    Rule(("reward.num_workers",), _custom_only("num_workers", 1),
+         "set reward.custom_reward_function.path, or reward.num_workers=1"),
+    Rule(("reward.custom_reward_function.on_error",),
+         _custom_only("custom_reward_function.on_error", "raise"),
+         "set reward.custom_reward_function.path, or drop on_error"),
     Rule(("algorithm.policy_loss",), _registered("policy_loss"), "choose one of those"),
     Rule(("algorithm.reward_shaping",), _registered("reward_shaping"), "choose one of those"),
     Rule(("train.logger",), _loggers, "list each backend once, installed"),

@@ -101,11 +101,13 @@ class CachedReward:
         since creation; NaN before any lookup), so the trainer can report it per step;
         ``reward/cache_hits`` and ``reward/cache_misses`` (totals since creation, samples)
         and ``reward/cache_entries``."""
+        inner = getattr(self.inner, "metrics", None)  # e.g. the custom function's extras
         with self._lock:
             h, m = self._win
             if reset:
                 self._win = [0, 0]
             return {
+                **(inner(reset) if inner is not None else {}),
                 "reward/cache_hit_rate": h / (h + m) if h + m else float("nan"),
                 "reward/cache_hits": float(self.hits),
                 "reward/cache_misses": float(self.misses),

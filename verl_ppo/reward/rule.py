@@ -9,10 +9,16 @@ limit, the text after it; without a tag, for numeric tasks the last number. This
 the in-process reward (``Task.score``) does, so ``verl-ppo reward-server --model rule``
 scores exactly like the trainer's default reward. reasoning-gym's scorers read only the
 entry, not the dataset's config, so a server needs no ``data.task_kwargs``.
+
+Entries in verl's format (``data_source``, ``reward_model.ground_truth``, ``extra_info``;
+:mod:`verl_ppo.data.verl_format`) are scored too (:func:`rg_entry`): ``data_source`` names
+the reasoning-gym dataset, and the reasoning-gym entry is ``extra_info.rg_entry`` (JSON, as
+``verl-ppo data export`` writes it) or, without it, ``{"answer": ground_truth}``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -33,6 +39,36 @@ def extract_tagged_answer(text: str) -> str | None:
     """
     matches = _ANSWER_RE.findall(text)
     return matches[-1].strip() if matches else None
+
+
+def rg_entry(entry: dict) -> dict:
+    """The reasoning-gym entry of ``entry``: itself, or, for a verl-format row (it has a
+    ``reward_model``), ``extra_info.rg_entry`` parsed, else ``{"answer": ground_truth}``,
+    with ``metadata.source_dataset`` set to the row's ``data_source``.
+
+    Raises:
+        RewardInputError: a verl row without ``data_source`` or ``ground_truth``, or an
+            ``rg_entry`` that is not a JSON object.
+    """
+    if not isinstance(entry, dict) or "reward_model" not in entry:
+        return entry
+    rm, extra = entry.get("reward_model"), entry.get("extra_info") or {}
+    source = entry.get("data_source")
+    if not isinstance(rm, dict) or "ground_truth" not in rm or not isinstance(source, str):
+        raise RewardInputError(
+            "a verl-format entry needs data_source (str) and reward_model.ground_truth"
+        )
+    raw = extra.get("rg_entry") if isinstance(extra, dict) else None
+    if raw is not None:
+        try:
+            out = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        except (ValueError, TypeError) as exc:
+            raise RewardInputError(f"extra_info.rg_entry is not a JSON object: {exc}") from exc
+    else:
+        out = {"answer": str(rm["ground_truth"])}
+    meta = dict(out.get("metadata") or {})
+    meta["source_dataset"] = source
+    return {**out, "metadata": meta}
 
 
 class RuleReward:
@@ -92,11 +128,13 @@ class RuleReward:
         """Reward of one completion for one task entry (a float, [0, 1] for rg scorers)."""
         if self.score_fn is not None:
             return float(self.score_fn(completion, entry))
+        entry = rg_entry(entry)
         meta = entry.get("metadata") if isinstance(entry, dict) else None
         name = meta.get("source_dataset") if isinstance(meta, dict) else None
         if not isinstance(name, str):
             raise RewardInputError(
-                "entry has no metadata.source_dataset naming its reasoning-gym dataset; "
+                "entry has no metadata.source_dataset naming its reasoning-gym dataset "
+                "(nor, as a verl-format row, data_source and reward_model.ground_truth); "
                 "pass score_fn=... to RuleReward for entries of other origin"
             )
         if self.extract_fn is None:

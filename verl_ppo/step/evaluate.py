@@ -122,8 +122,12 @@ def evaluate(
     batch_size: int = 8,
     world: int = 1,
     progress: Callable[[int], None] | None = None,
+    source: Any = None,
+    score: Callable[[str, dict], float] | None = None,
 ) -> tuple[float, list[dict[str, Any]]]:
-    """Greedy mean reward on the first ``n`` held-out prompts of ``task_name``.
+    """Greedy mean reward on the first ``n`` held-out prompts of ``task_name`` (or of
+    ``source``, e.g. the val files of a :class:`~verl_ppo.data.file_source.FileSource`,
+    scored by ``score(response, entry)``, default the source's own rule).
 
     Prompts are processed as the trainer's ``world`` ranks process them (rank r takes
     indices r, r + world, ..., in batches of ``batch_size``), so padding and therefore every
@@ -137,7 +141,10 @@ def evaluate(
     """
     from verl_ppo.data.tasks import Task
 
-    task = Task(task_name, train_size=1, eval_size=n, seed=seed, overrides=task_kwargs or {})
+    task = source or Task(
+        task_name, train_size=1, eval_size=n, seed=seed, overrides=task_kwargs or {}
+    )
+    score = score or task.score
     rows: dict[int, dict[str, Any]] = {}
     for r in range(world):
         mine = list(range(r, n, world))
@@ -150,8 +157,10 @@ def evaluate(
                     "index": j,
                     "question": s.question,
                     "response": text,
-                    "expected": s.entry.get("answer"),
-                    "score": task.score(text, s.entry),
+                    "expected": s.entry.get(
+                        "answer", s.entry.get("reward_model", {}).get("ground_truth")
+                    ),
+                    "score": score(text, s.entry),
                 }
             if progress is not None:
                 progress(len(rows))
@@ -187,7 +196,41 @@ def _load(prog: str, model: str, device: str) -> LoadedModel | None:
         return None
 
 
+def _eval_source(cfg: Any, a: argparse.Namespace, tokenizer: Any) -> tuple[str, dict, Any, Any]:
+    """``(task name, task kwargs, source, score)`` of ``verl-ppo eval``: the built-in task
+    (source and score None), or, with ``--val-files`` or a run trained on files, the val
+    files scored by the run's ``reward.custom_reward_function`` (else the rule of verl rows).
+
+    Raises:
+        DataFormatError, CustomRewardError: a bad val file or reward function.
+    """
+    from verl_ppo.data.file_source import FileSource
+    from verl_ppo.reward.base import RewardBatch
+
+    task = a.task or cfg.data.task
+    kwargs = cfg.data.task_kwargs if task == cfg.data.task else {}
+    val = a.val_files or (None if a.task else cfg.data.val_files)
+    if not val:
+        return task, kwargs, None, None
+    d = cfg.data
+    source = FileSource([], val, tokenizer, prompt_key=d.prompt_key, eval_size=a.n,
+                        max_prompt_length=d.max_prompt_length,
+                        filter_overlong=d.filter_overlong_prompts)  # fmt: skip
+    fn = cfg.reward.custom_reward_function
+    if fn.path is None:
+        return "val_files", {}, source, None
+    from verl_ppo.reward.custom import CustomReward
+
+    reward = CustomReward(fn.path, fn.name, on_error=fn.on_error)
+
+    def score(text: str, entry: dict) -> float:
+        return float(reward.score(RewardBatch([[0]], [[0]], [""], [text], [entry]))[0])
+
+    return "val_files", {}, source, score
+
+
 def _eval_parser() -> argparse.ArgumentParser:
+    """The arguments of ``verl-ppo eval``."""
     p = argparse.ArgumentParser(
         prog="verl-ppo eval", description="Greedy held-out score of a model on a task."
     )
@@ -199,6 +242,13 @@ def _eval_parser() -> argparse.ArgumentParser:
         "the defaults (default: the run folder's config.yaml, else the built-in defaults)",
     )
     p.add_argument("--task", default=None, help="reasoning-gym task (default: the run's)")
+    p.add_argument(
+        "--val-files",
+        nargs="+",
+        default=None,
+        help="verl-format eval files (default: the run's data.val_files), scored by the run's "
+        "reward.custom_reward_function, else the rule",
+    )
     p.add_argument("--n", type=int, default=64, help="held-out prompts (first n of the split)")
     p.add_argument("--seed", type=int, default=None, help="split seed (default: the run's, 0)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's")
@@ -230,8 +280,11 @@ def eval_main(argv: list[str] | None = None) -> int:
         cfg = lm.run_config or PPOConfig()
     has_cfg = lm.run_config is not None or a.config is not None
     world = a.world or (cfg.comm.nproc if has_cfg else 1)
-    task = a.task or cfg.data.task
-    kwargs = cfg.data.task_kwargs if task == cfg.data.task else {}
+    try:
+        task, kwargs, source, score = _eval_source(cfg, a, lm.tokenizer)
+    except ValueError as exc:  # DataFormatError, CustomRewardError: file/row/key named
+        print(f"verl-ppo eval: {exc}", file=sys.stderr)
+        return 2
     batch = a.batch_size or max(cfg.train.rollout_batch_size // world, 1)
     bar = progress_bar(a.n, "eval")
     t0 = time.perf_counter()
@@ -255,6 +308,8 @@ def eval_main(argv: list[str] | None = None) -> int:
         batch_size=batch,
         world=world,
         progress=progress,
+        source=source,
+        score=score,
     )
     bar.close()
     print_table(rows, a.show)

@@ -104,17 +104,17 @@ class ExperienceMaker:
         """Left-padded ``(input_ids, attention_mask)``, both ``(B, P)`` int64 on the device.
 
         Raises:
-            ValueError: a prompt longer than ``data.max_prompt_len`` (names the key).
+            ValueError: a prompt longer than ``data.max_prompt_length`` (names the key).
         """
         data = self.config.data
         pad_kw: dict[str, Any] = {"padding": True}
         if data.pad_prompt_to:
             pad_kw = {"padding": "max_length", "max_length": data.pad_prompt_to}
         enc = self.tokenizer(texts, return_tensors="pt", add_special_tokens=False, **pad_kw)
-        if enc.input_ids.shape[1] > data.max_prompt_len:
+        if enc.input_ids.shape[1] > data.max_prompt_length:
             raise ValueError(
-                f"a prompt has {enc.input_ids.shape[1]} tokens > data.max_prompt_len="
-                f"{data.max_prompt_len}; raise data.max_prompt_len"
+                f"a prompt has {enc.input_ids.shape[1]} tokens > data.max_prompt_length="
+                f"{data.max_prompt_length}; raise data.max_prompt_length"
             )
         return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
 
@@ -279,7 +279,7 @@ class ExperienceMaker:
             else:
                 exp.scores = self.score(prompt_ids, prompt_mask, texts, responses, rmask, entries)
         if hasattr(self.reward_model, "metrics"):
-            m.update({k: float(v) for k, v in self.reward_model.metrics().items()})
+            m.update({k: float(v) for k, v in self.reward_model.metrics(reset=True).items()})
         return exp, m
 
     @torch.no_grad()

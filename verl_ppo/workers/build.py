@@ -35,12 +35,18 @@ from verl_ppo.workers.strategy import DeepSpeedStrategy, ds_config
 
 
 def build_reward(cfg: PPOConfig, task: Task, device: torch.device, timeout_s: float) -> RewardModel:
-    """The reward model of ``reward.model`` (rule scorer of the task by default), wrapped in
+    """The reward model: ``reward.custom_reward_function`` when set, else ``reward.model``
+    (rule scorer of the task by default), wrapped in
     the exact-key LRU cache when ``reward.cache_entries`` > 0; a remote reward's calls are
     capped at ``timeout_s`` (``comm.timeout_s``)."""
     rc = cfg.reward
-    if rc.model == "rule":
-        model: Any = RuleReward(score_fn=task.score)
+    if rc.custom_reward_function.path is not None:  # verl's compute_score (reward/custom.py)
+        from verl_ppo.reward.custom import CustomReward
+
+        fn = rc.custom_reward_function
+        model: Any = CustomReward(fn.path, fn.name, rc.num_workers, fn.on_error)
+    elif rc.model == "rule":
+        model = RuleReward(score_fn=task.score)
     else:
         model = build_reward_model(rc.model, device=str(device), deadline_s=timeout_s)
     if rc.cache_entries:
