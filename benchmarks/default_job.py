@@ -309,7 +309,8 @@ def render(recs: list[dict], out: Path, stem: str) -> None:
     verdict = "met" if target["gain_target_met"] else "**missed**"
     wall = "met" if target["wall_target_met"] else "**missed**"
     lines = [
-        f"# {m['benchmark']}: `verl-ppo train --config {m['config']}` on {len(per_seed)} seeds",
+        f"# {m['benchmark']}: `verl-ppo train --config {m['config']}"
+        f"{''.join(' ' + o for o in m.get('overrides') or [])}` on {len(per_seed)} seeds",
         "",
         f"{m['device']}, torch {m['versions']['torch']}, {m['date']}, "
         f"run_id {m['run_id']}. Wall time is the whole command (model load, DeepSpeed init, "
