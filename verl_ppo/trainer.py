@@ -21,6 +21,11 @@ needs in its constructor: :class:`~verl_ppo.workers.build.Workers` (roles, strat
 hybrid engine, reward), :class:`~verl_ppo.step.ppo_step.PPOStep` (experience, scoring,
 advantages, update, evaluation) and :class:`~verl_ppo.run.run_dir.RunFolder` (claim,
 checkpoints, resume, export). This module also launches the ranks from a plain process.
+
+With ``rollout.mode: async`` the trainer runs on the training ranks only: it joins the
+training world (:func:`verl_ppo.asyncrl.world.join_world`) and gives :class:`PPOStep` an
+:class:`~verl_ppo.asyncrl.train_side.AsyncExperience` (weights out, batches in from the
+rollout ranks) where the colocated mode gives it the :class:`ExperienceMaker`.
 """
 
 from __future__ import annotations
