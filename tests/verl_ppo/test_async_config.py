@@ -74,3 +74,10 @@ def test_preflight_refuses_the_split_before_any_process(tmp_path):
     bad = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"n_ranks": 3})})
     with pytest.raises(PreflightError, match=r"do not split evenly"):
         preflight(bad, bad.comm.nproc, check_port=False)
+
+
+def test_preflight_checks_the_sync_plan_against_the_model(tmp_path):
+    tiny = {"model_type": "gpt_neox", "hidden_size": 32, "num_attention_heads": 4}
+    cfg = build_config({"model": {"tiny": tiny}}, **ASYNC, run_dir=str(tmp_path))
+    with pytest.raises(PreflightError, match=r"rollout\.mode=async: model_type 'gpt_neox'"):
+        preflight(cfg, cfg.comm.nproc, check_port=False)

@@ -67,7 +67,7 @@ class RolloutWorker:
             overrides=cfg.data.task_kwargs,
         )
         policy = build_policy(cfg.model, tokenizer, DTYPES[cfg.rollout.dtype], cfg.seed)
-        plan = sync_plan(cfg, world, model_config, job.actor_zero_stage)
+        plan = sync_plan(cfg, model_config, job.actor_zero_stage)
         self.weights = RolloutWeights(plan, world, cfg, policy.to(self.device).eval(), self.device)
         reward = build_reward(cfg, task, self.device, world.timeout_s)
         d = cfg.derived(world.n_train)

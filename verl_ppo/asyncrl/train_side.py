@@ -127,7 +127,7 @@ def async_experience(
     reading ``actor_strategy.hf_named_parameters()`` (what the engine really holds)."""
     from verl_ppo.asyncrl.weights import sync_plan
 
-    plan = sync_plan(cfg, world, model_config, actor_zero_stage)
+    plan = sync_plan(cfg, model_config, actor_zero_stage)
     publisher = WeightPublisher(plan, world, cfg, device)
     return AsyncExperience(
         world, local, publisher, actor_strategy.hf_named_parameters,

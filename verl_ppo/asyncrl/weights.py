@@ -25,21 +25,21 @@ from verl_ppo.reshard.layout import ParallelLayout
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def sync_plan(
-    cfg: Any, world: AsyncWorld, model_config: Any, actor_zero_stage: int
-) -> GroupSyncPlan:
-    """The plan every rank of the async job builds alike (pure).
+def sync_plan(cfg: Any, model_config: Any, actor_zero_stage: int) -> GroupSyncPlan:
+    """The plan every rank of the async job builds alike, and preflight before any rank
+    starts (pure): bridge ranks ``0 .. comm.nproc - 1`` train, the next
+    ``rollout.n_ranks`` generate (:class:`~verl_ppo.asyncrl.world.AsyncWorld`).
 
     Raises:
         ValueError: layouts the plan cannot serve (see ``plan_group_sync``).
     """
-    tp = cfg.rollout.tensor_model_parallel_size
+    t, r, tp = cfg.comm.nproc, cfg.rollout.n_ranks, cfg.rollout.tensor_model_parallel_size
     return plan_group_sync(
         model_config,
-        ParallelLayout(dp=world.n_train, zero_stage=actor_zero_stage),
-        ParallelLayout(dp=world.n_rollout // tp, tp=tp),
-        world.train_ranks,
-        world.rollout_ranks,
+        ParallelLayout(dp=t, zero_stage=actor_zero_stage),
+        ParallelLayout(dp=r // tp, tp=tp),
+        range(t),
+        range(t, t + r),
     )
 
 
