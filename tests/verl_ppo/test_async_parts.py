@@ -50,13 +50,17 @@ def worker_channel(rank, world):
     if aw.is_rollout:
         assert aw.served_by(aw.rank) == [0, 1] and t.item() == 1.0
         for r in (0, 1):
-            ch.send(r, 0, 0, _exp(seed=r))
+            ch.send(r, 0, 0, _exp(seed=r), {"async/sync_pause_s": 0.25})
         ch.finish()
         return "rollout"  # its process ends without sending step 1: the peer is gone
     assert t.item() == 2.0 and aw.server_of(aw.rank) == 2
     want = _exp(seed=aw.rank)
-    got, version = ch.recv(2, 0, (["e"] * 2, want.group_index))
-    assert version == 0
+    got, version, stats = ch.recv(2, 0, (["e"] * 2, want.group_index))
+    assert version == 0 and stats == {
+        "async/rollout_gen_s": 0.0,
+        "async/sync_pause_s": 0.25,
+        "async/sync_transfer_s": 0.0,
+    }
     for k in ("input_ids", "attention_mask", "response_mask", "scores", "rollout_log_prob"):
         assert torch.equal(getattr(got, k), getattr(want, k)), k  # bit-exact copy
     try:
@@ -82,7 +86,7 @@ class _Channel:
         self.version = version
 
     def recv(self, src, step, prompts):
-        return _exp(), self.version
+        return _exp(), self.version, {}
 
 
 class _Local:

@@ -20,6 +20,10 @@ import torch
 from verl_ppo.reshard.group_sync import wait_work
 from verl_ppo.step.experience import Experience
 
+STATS = ("async/rollout_gen_s", "async/sync_pause_s", "async/sync_transfer_s")
+"""Rollout-side seconds shipped with each batch: its generation, and the pause and the
+transfer of the last weight switch before it (the sync's two times kept apart)."""
+
 
 class RolloutLinkError(RuntimeError):
     """An experience transfer failed: a dead or late peer, or batches that do not match."""
@@ -40,9 +44,12 @@ class ExperienceChannel:
         self.cuda = device.type == "cuda"
         self._pending: list[tuple[Any, int, str, torch.Tensor]] = []
 
-    def send(self, dst: int, step: int, version: int, exp: Experience) -> int:
-        """Post ``exp`` (``scores`` and ``rollout_log_prob`` filled) for training rank
-        ``dst``; returns the bytes posted. Waits first for the sends posted before.
+    def send(
+        self, dst: int, step: int, version: int, exp: Experience, stats: dict[str, float]
+    ) -> int:
+        """Post ``exp`` (``scores`` and ``rollout_log_prob`` filled) and ``stats`` (the
+        :data:`STATS` keys, seconds) for training rank ``dst``; returns the bytes posted.
+        Waits first for the sends posted before.
 
         Raises:
             RolloutLinkError: earlier sends not taken within ``timeout_s``.
@@ -53,8 +60,9 @@ class ExperienceChannel:
         ints = torch.cat(
             [exp.input_ids.reshape(-1), exp.attention_mask.reshape(-1), exp.group_index]
         )
+        extra = torch.tensor([float(stats.get(k, 0.0)) for k in STATS], device=exp.scores.device)
         floats = torch.cat(
-            [exp.response_mask.reshape(-1), exp.rollout_log_prob.reshape(-1), exp.scores]
+            [exp.response_mask.reshape(-1), exp.rollout_log_prob.reshape(-1), exp.scores, extra]
         ).float()
         sent = 0
         for name, t in (("header", header), ("token ids", ints.long()), ("log-probs", floats)):
@@ -88,7 +96,7 @@ class ExperienceChannel:
 
     def recv(
         self, src: int, step: int, prompts: tuple[list[dict], torch.Tensor]
-    ) -> tuple[Experience, int]:
+    ) -> tuple[Experience, int, dict[str, float]]:
         """Receive the batch of ``step`` from rollout rank ``src``.
 
         Args:
@@ -96,7 +104,7 @@ class ExperienceChannel:
                 (:meth:`~verl_ppo.step.experience_maker.ExperienceMaker.prompts`).
 
         Returns:
-            ``(experience, weights version that generated it)``.
+            ``(experience, weights version that generated it, the rollout's`` :data:`STATS` ``)``.
 
         Raises:
             RolloutLinkError: nothing within ``timeout_s``, a dead peer, another step, or
@@ -121,13 +129,13 @@ class ExperienceChannel:
             deadline,
         )
         floats = self._recv(
-            torch.empty(2 * B * R + B, dtype=torch.float32, device=self.device),
+            torch.empty(2 * B * R + B + len(STATS), dtype=torch.float32, device=self.device),
             src,
             f"log-probs of step {step}",
             deadline,
         )
         ids, mask, group = ints.split([B * (P + R), B * (P + R), B])
-        rmask, lp, scores = floats.split([B * R, B * R, B])
+        rmask, lp, scores, extra = floats.split([B * R, B * R, B, len(STATS)])
         entries, want_group = prompts
         if not torch.equal(group.cpu(), want_group.cpu()):
             raise RolloutLinkError(
@@ -146,4 +154,4 @@ class ExperienceChannel:
             scores=scores,
             rollout_log_prob=lp.view(B, R),
         )
-        return exp, version
+        return exp, version, dict(zip(STATS, extra.tolist()))

@@ -107,9 +107,11 @@ class RolloutWorker:
             ):
                 self.weights.switch(first, last)
             for t, maker in zip(self.served, self.makers):
+                timer = PhaseTimer()
                 with torch.no_grad():
-                    exp, _ = maker.make_experience(k, PhaseTimer())
-                self.channel.send(t, k, self.weights.version, exp)
+                    exp, _ = maker.make_experience(k, timer)
+                stats = {**self.weights.last, "async/rollout_gen_s": timer.times["gen"]}
+                self.channel.send(t, k, self.weights.version, exp, stats)
         while self.weights.version < last:
             self.weights.switch(first, last)
         self.channel.finish()

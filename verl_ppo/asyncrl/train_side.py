@@ -80,7 +80,8 @@ class AsyncExperience:
             m = self.publisher.publish(self.params())
         texts, entries, groups = self.local.prompts(step)
         with timer.phase("rollout_wait"):
-            exp, version = self.channel.recv(self.server, step, (entries, groups))
+            exp, version, rollout_stats = self.channel.recv(self.server, step, (entries, groups))
+        m.update(rollout_stats)
         staleness = step - version
         if not 0 <= staleness <= self.max_staleness or version < self.first:
             raise StalenessError(
