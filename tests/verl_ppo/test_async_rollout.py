@@ -27,7 +27,13 @@ ON_POLICY = [
     "rollout.dtype=float32",
     "rollout.sync_wire=full",
 ]
-ONE_OFF = ["rollout.mode=async", "rollout.n_ranks=2", "algorithm.policy_loss=decoupled"]
+# one step off policy on one TP2 rollout group (bf16 delta wire, the defaults)
+ONE_OFF = [
+    "rollout.mode=async",
+    "rollout.n_ranks=2",
+    "rollout.tensor_model_parallel_size=2",
+    "algorithm.policy_loss=decoupled",
+]
 
 
 def _steps(run):

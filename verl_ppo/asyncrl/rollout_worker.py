@@ -5,7 +5,10 @@ Rollout rank ``i`` makes the batches of training ranks ``i, i + R, ...``
 (:meth:`~verl_ppo.asyncrl.world.AsyncWorld.served_by`), each with the colocated mode's own
 :class:`~verl_ppo.step.experience_maker.ExperienceMaker` for that training rank (same
 prompts, same sampling seeds, same reward), on the HF policy whose parameters are the
-synced weights (:class:`~verl_ppo.asyncrl.weights.RolloutWeights`). Batch ``k`` is generated
+synced weights (:class:`~verl_ppo.asyncrl.weights.RolloutWeights`), or at
+``rollout.tensor_model_parallel_size > 1`` on the TP model over the synced shards
+(:mod:`~verl_ppo.asyncrl.tp_rollout`; the TP group generates its members' batches
+together). Batch ``k`` is generated
 with weights version ``max(k - rollout.max_staleness, first step)``: the schedule is fixed,
 so a run is reproducible, and with ``max_staleness: 1`` batch ``k + 1`` is generated while
 the training ranks train on batch ``k`` (version ``k`` arrives while batch ``k`` is being
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 from verl_ppo.asyncrl.channel import ExperienceChannel
+from verl_ppo.asyncrl.tp_rollout import NoStrategy, SyncedRollout, tp_rollout_model
 from verl_ppo.asyncrl.weights import DTYPES, RolloutWeights, sync_plan
 from verl_ppo.asyncrl.world import AsyncWorld
 from verl_ppo.data.tasks import Task
@@ -32,10 +36,11 @@ from verl_ppo.workers.models import build_policy, load_tokenizer
 
 
 class _Policy:
-    """What :class:`ExperienceMaker` reads of an actor: the HF module it generates with."""
+    """What :class:`ExperienceMaker` reads of an actor: the HF module it generates with
+    (and, with a TP rollout model, the strategy it asks for training weights)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: torch.nn.Module, strategy: Any = None) -> None:
+        self.module, self.strategy = module, strategy
 
 
 class RolloutWorker:
@@ -66,9 +71,23 @@ class RolloutWorker:
             seed=cfg.seed,
             overrides=cfg.data.task_kwargs,
         )
-        policy = build_policy(cfg.model, tokenizer, DTYPES[cfg.rollout.dtype], cfg.seed)
         plan = sync_plan(cfg, model_config, job.actor_zero_stage)
-        self.weights = RolloutWeights(plan, world, cfg, policy.to(self.device).eval(), self.device)
+        r, hybrid = cfg.rollout, None
+        if r.tensor_model_parallel_size == 1:  # the HF forward, as the colocated mode
+            policy = build_policy(cfg.model, tokenizer, DTYPES[r.dtype], cfg.seed)
+            self.weights = RolloutWeights(
+                plan, world, cfg, policy.to(self.device).eval(), self.device
+            )
+            holder = _Policy(policy)
+        else:  # TP x DP: the TP model on the synced shards
+            self.weights = RolloutWeights(plan, world, cfg, None, self.device)
+            hybrid = SyncedRollout(
+                tp_rollout_model(
+                    model_config, self.weights.receiver.live, r.n_ranks,
+                    r.tensor_model_parallel_size, world.timeout_s,
+                )
+            )  # fmt: skip
+            holder = _Policy(torch.nn.Module(), NoStrategy())
         reward = build_reward(cfg, task, self.device, world.timeout_s)
         d = cfg.derived(world.n_train)
         self.served = world.served_by(world.rank)
@@ -78,12 +97,13 @@ class RolloutWorker:
                 d,
                 tokenizer,
                 task,
-                _Policy(self.weights.policy),
+                holder,
                 reward,
                 rank=t,
                 world_size=world.n_train,
                 device=self.device,
                 timeout_s=world.timeout_s,
+                hybrid=hybrid,
                 use_cuda_graph=job.use_cuda_graph,
             )  # fmt: skip
             for t in self.served

@@ -89,8 +89,9 @@ class RolloutWeights:
         plan: :func:`sync_plan`.
         world: the async world (this rank a rollout rank).
         cfg: the config.
-        policy: the HF causal LM in the rollout dtype on ``device`` (its initial values are
-            replaced by the first sync).
+        policy: at TP 1, the HF causal LM in the rollout dtype on ``device`` (its initial
+            values are replaced by the first sync); None at TP > 1 (the TP model reads
+            ``receiver.live``, :mod:`verl_ppo.asyncrl.tp_rollout`).
         device: this rank's device.
 
     Attributes:
@@ -105,7 +106,7 @@ class RolloutWeights:
         plan: GroupSyncPlan,
         world: AsyncWorld,
         cfg: Any,
-        policy: torch.nn.Module,
+        policy: torch.nn.Module | None,
         device: torch.device,
     ) -> None:
         r = cfg.rollout
@@ -113,7 +114,7 @@ class RolloutWeights:
             plan, world.rank, world.weights, r.sync_wire, DTYPES[r.dtype], device, world.timeout_s
         )
         live = self.receiver.live
-        for name, p in policy.named_parameters():
+        for name, p in policy.named_parameters() if policy is not None else ():
             if name not in live or live[name].shape != p.shape:
                 got = None if name not in live else tuple(live[name].shape)
                 raise ValueError(

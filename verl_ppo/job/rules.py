@@ -292,12 +292,6 @@ def _async_blocked(cfg: Any, f: Facts) -> str | None:
         return "rollout.mode=async with actor.model_config.hybrid_engine.enable=true: the rollout ranks hold their own weights, there is nothing to reshard in place"
     if f.actor_stage == 3:
         return "rollout.mode=async with actor.zero_stage=3: the sync reads full weights on every training rank"
-    if cfg.rollout.tensor_model_parallel_size > 1:
-        return (
-            f"rollout.tensor_model_parallel_size={cfg.rollout.tensor_model_parallel_size}: TP "
-            "rollout ranks are not wired yet (the plan supports them; the rollout worker "
-            "generates with the HF model at TP 1)"
-        )
     return None
 
 
@@ -404,10 +398,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("rollout.n_ranks", "rollout.tensor_model_parallel_size", "comm.nproc"), _async_split,
          "set rollout.n_ranks to a divisor of comm.nproc (>= 1) and a multiple of "
          "rollout.tensor_model_parallel_size"),
-    Rule(("rollout.mode", PP_KEY, "actor.zero_stage", "rollout.tensor_model_parallel_size"),
+    Rule(("rollout.mode", PP_KEY, "actor.model_config.hybrid_engine.enable", "actor.zero_stage"),
          _async_blocked, "use rollout.mode: colocated for that layout, or train with "
-         "pipeline_parallel_size 1, hybrid_engine.enable false, actor.zero_stage <= 2 and "
-         "rollout.tensor_model_parallel_size 1"),
+         "pipeline_parallel_size 1, hybrid_engine.enable false and actor.zero_stage <= 2"),
     Rule(("rollout.sync_wire", "rollout.dtype"), _async_wire,
          "set rollout.sync_wire: full, or rollout.dtype: bfloat16"),
     Rule(("rollout.max_staleness", "algorithm.policy_loss"), _async_loss,
