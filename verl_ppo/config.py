@@ -108,6 +108,37 @@ class RolloutConfig(_Strict):
         description="sequences per generation call; the reward of micro-batch i is scored "
         "asynchronously while micro-batch i+1 generates (None = the whole local batch)",
     )
+    mode: Literal["colocated", "async"] = Field(
+        "colocated",
+        description="colocated = every rank generates, then trains; async = rollout ranks of "
+        "their own generate batch k+1 while the comm.nproc training ranks train on batch k "
+        "(verl_ppo.asyncrl; the keys below apply to async only)",
+    )
+    n_ranks: int = Field(
+        0,
+        ge=0,
+        description="async: rollout ranks started besides the comm.nproc training ranks "
+        "(verl's rollout pool size); each serves comm.nproc / n_ranks training ranks",
+    )
+    tensor_model_parallel_size: int = Field(
+        1, ge=1, description="async: TP degree of the rollout ranks (verl's name)"
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="async: batch k is generated with the weights of optimizer step "
+        "max(k - max_staleness, first step); 0 = on-policy (trains as colocated)",
+    )
+    sync_wire: Literal["full", "delta"] = Field(
+        "delta",
+        description="async: weights sent after each optimizer step in full, or only the "
+        "rollout-dtype elements that changed (lossless, checksum-verified)",
+    )
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16",
+        description="async: dtype of the rollout ranks' weights (verl's rollout.dtype); delta "
+        "needs bfloat16",
+    )
 
 
 class KLConfig(_Strict):

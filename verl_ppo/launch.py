@@ -89,9 +89,10 @@ def _spawn(cfg: Any, args: list[str]) -> int:
             file=sys.stderr,
         )
 
+    rollout_ranks = cfg.rollout.n_ranks if cfg.rollout.mode == "async" else 0
     res = run_ranks(
         [sys.executable, "-m", "verl_ppo.train", *args],
-        cfg.comm.nproc,
+        cfg.comm.nproc + rollout_ranks,  # async: rollout ranks after the training ranks
         env={"VERL_PPO_LAUNCHED": "1", "VERL_PPO_RUN_DIR": str(cfg.run_dir)},
         master_port=cfg.comm.master_port,
         name="verl-ppo",

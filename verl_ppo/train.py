@@ -9,6 +9,9 @@ GPUs, one node (NCCL)::
 
     torchrun --nproc_per_node=8 -m verl_ppo.train --config configs/default.yaml
 
+With ``rollout.mode=async`` the job has ``comm.nproc`` training ranks plus
+``rollout.n_ranks`` rollout ranks (ranks ``comm.nproc ..``); torchrun starts all of them.
+
 Several nodes: the same torchrun line with ``--nnodes=N --node_rank=i
 --rdzv_endpoint=HOST:PORT`` on every node.
 """
@@ -34,6 +37,10 @@ def run_rank(config_path: str | None, overrides: list[str]) -> int:
     from verl_ppo.trainer import PPOTrainer
 
     cfg = load_config(config_path, overrides)
+    if cfg.rollout.mode == "async" and int(os.environ.get("RANK", "0")) >= cfg.comm.nproc:
+        from verl_ppo.asyncrl.rollout_worker import run_rollout_rank
+
+        return run_rollout_rank(cfg)  # ranks comm.nproc.. are the rollout ranks
     trainer = PPOTrainer(cfg)
     try:
         trainer.run()
@@ -80,7 +87,9 @@ def _main(args: argparse.Namespace) -> int:
             from verl_ppo.job.preflight import PreflightError, preflight
 
             try:
-                preflight(cfg, int(os.environ["WORLD_SIZE"]), check_port=False)
+                async_ = cfg.rollout.mode == "async"  # WORLD_SIZE counts the rollout ranks
+                n = cfg.comm.nproc if async_ else int(os.environ["WORLD_SIZE"])
+                preflight(cfg, n, check_port=False)
             except PreflightError as exc:
                 if os.environ["RANK"] == "0":  # every rank fails alike: say it once
                     print(f"verl-ppo: {exc}", file=sys.stderr)

@@ -21,6 +21,11 @@ needs in its constructor: :class:`~verl_ppo.workers.build.Workers` (roles, strat
 hybrid engine, reward), :class:`~verl_ppo.step.ppo_step.PPOStep` (experience, scoring,
 advantages, update, evaluation) and :class:`~verl_ppo.run.run_dir.RunFolder` (claim,
 checkpoints, resume, export). This module also launches the ranks from a plain process.
+
+With ``rollout.mode: async`` the trainer runs on the training ranks only: it joins the
+training world (:func:`verl_ppo.asyncrl.world.join_world`) and gives :class:`PPOStep` an
+:class:`~verl_ppo.asyncrl.train_side.AsyncExperience` (weights out, batches in from the
+rollout ranks) where the colocated mode gives it the :class:`ExperienceMaker`.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from verl_comm.compression.policy import describe_choices
 from verl_comm.profiler import VerlProfiler
 from verl_comm.telemetry import CommRecorder
 from verl_ppo.algorithms import make_kl_controller
+from verl_ppo.asyncrl.train_side import AsyncExperience, async_experience
+from verl_ppo.asyncrl.world import join_world
 from verl_ppo.config import PPOConfig, build_config, load_config
 from verl_ppo.data.file_source import build_prompt_source
 from verl_ppo.job.fast_path import ModelFacts, layouts, model_config_of, resolve
@@ -99,6 +106,7 @@ class PPOTrainer:
         self.ppo_step: PPOStep | None = None
         self.run_folder: RunFolder | None = None
         self.experience_maker: ExperienceMaker | None = None
+        self.async_rollout: AsyncExperience | None = None
         self.monitor: PrometheusMonitor | None = None
         self.tracking: Any = None
 
@@ -112,6 +120,8 @@ class PPOTrainer:
         self.job = resolve(
             cfg, torch.cuda.is_available(), ModelFacts.of_config(model_config_of(cfg))
         )
+        # async: this rank's role world (training ranks: the default group) and the bridge
+        self.async_world = join_world(cfg) if cfg.rollout.mode == "async" else None
         self.ctx, self._owns_group = ensure_process_group(cfg)
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.log = get_logger(self.rank)
@@ -142,13 +152,19 @@ class PPOTrainer:
             world_size=self.world, device=self.device, timeout_s=self.ctx.timeout_s,
             hybrid=w.hybrid, profiler=self.profiler, use_cuda_graph=self.job.use_cuda_graph,
         )  # fmt: skip
+        source: Any = self.experience_maker
+        if self.async_world is not None:  # batches come from the rollout ranks
+            source = self.async_rollout = async_experience(
+                cfg, self.async_world, self.experience_maker, w.actor.strategy,
+                w.policy_config, self.job.actor_zero_stage, self.device,
+            )  # fmt: skip
         self.monitor = self._build_monitor()
         kl = cfg.algorithm.kl
         self.kl_ctrl = make_kl_controller(kl.controller, kl.kl_coef, kl.target_kl, kl.horizon)
         grad_comm = w.grad_comm()
         self.ppo_step = PPOStep(
             cfg, self.job, self.d, self.ctx, actor=w.actor, critic=w.critic,
-            reference=w.reference, experience_maker=self.experience_maker,
+            reference=w.reference, experience_maker=source,
             kl_ctrl=self.kl_ctrl, tokenizer=self.tokenizer, task=self.task,
             profiler=self.profiler, model_flops=w.model_flops, peaks=w.peaks,
             grad_comm=grad_comm, pipeline=w.pipeline, hybrid=w.hybrid, monitor=self.monitor,
@@ -163,6 +179,8 @@ class PPOTrainer:
         if cfg.train.resume == "auto":
             self.step = self.run_folder.resume()
             self.resumed_from = self.step or None  # said by the summary and the metric rows
+        if self.async_rollout is not None:
+            self.async_rollout.begin(self.step)
         self.tracking = build_tracking(
             cfg.train, cfg.run_dir, self.rank, self.step, cfg.model_dump(by_alias=True),
             comm_method=cfg.compression.gradient_compression,
@@ -393,7 +411,7 @@ class PPOTrainer:
         plain = not dist.is_initialized() and not (
             "RANK" in os.environ and "WORLD_SIZE" in os.environ
         )
-        return plain and self.config.comm.nproc > 1
+        return plain and (self.config.comm.nproc > 1 or self.config.rollout.mode == "async")
 
     def _launch(self, num_steps: int | None) -> list[dict[str, float]]:
         """Launch ``comm.nproc`` ranks as ``verl-ppo train`` does; their logged steps."""
@@ -422,11 +440,13 @@ class PPOTrainer:
 
     def close(self) -> None:
         """Free engines and tear the process group down if this trainer created it."""
-        for part in (self.experience_maker, self.monitor, self.tracking):
+        maker = self.async_rollout or self.experience_maker  # the async source closes both
+        for part in (maker, self.monitor, self.tracking):
             if part is not None:
                 part.close()
         # the run_dir lock (a file descriptor) stays held until the process ends, as before
         self.workers = self.experience_maker = self.ppo_step = self.run_folder = None
+        self.async_rollout = None
         gc.collect()
         if getattr(self, "_owns_group", False):
             self.ctx.destroy()

@@ -110,7 +110,7 @@ def test_bad_input_refused():
         encode(a.view(4, 4), a.view(4, 4))
     with pytest.raises(ValueError, match="must be 2 uint8 bytes"):  # FULL of 1 element
         decode_(a[:1].clone(), FULL, 1, torch.zeros(3, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="contiguous 16-bit"):
+    with pytest.raises(ValueError, match="contiguous 16- or 32-bit"):
         checksum(a.view(4, 4).t())
 
 

@@ -186,6 +186,8 @@ def test_sender_receiver_refuse_bad_arguments():
         SyncReceiver(plan, 0)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         SyncReceiver(plan, 2, dtype=torch.float32)
+    full32 = SyncReceiver(plan, 2, wire="full", dtype=torch.float32)  # fp32 needs full
+    assert all(t.dtype == torch.float32 for t in full32.live.values())
 
 
 def worker_nccl(rank, world):

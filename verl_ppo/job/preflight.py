@@ -64,6 +64,25 @@ def check_hybrid_engine(cfg: PPOConfig, world_size: int, model_config: Any) -> N
         raise PreflightError(f"{prefix}{exc}") from None
 
 
+def check_async_sync(cfg: PPOConfig, model_config: Any) -> None:
+    """``rollout.mode: async``: the cross-group weight sync plan the ranks will build
+    (:func:`verl_ppo.asyncrl.weights.sync_plan`) against the model (no-op when colocated).
+
+    Raises:
+        PreflightError: a model or layout the plan cannot serve (e.g. a rollout TP degree
+            that does not divide the heads).
+    """
+    if cfg.rollout.mode != "async":
+        return
+    from verl_ppo.asyncrl.weights import sync_plan
+
+    stage, _, _ = resolve_stages(cfg, torch.cuda.is_available())
+    try:
+        sync_plan(cfg, model_config, stage)
+    except ValueError as exc:
+        raise PreflightError(f"rollout.mode=async: {exc}") from None
+
+
 def check_fast_path(cfg: PPOConfig, model_config: Any) -> None:
     """The rules and every ``auto`` (:func:`verl_ppo.job.fast_path.resolve`) against this
     machine and the model, on a weightless (meta-device) copy of the policy.
@@ -194,6 +213,7 @@ def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
         raise PreflightError(f"model: {exc}") from None
     check_hybrid_engine(cfg, world_size, model_config)
     check_fast_path(cfg, model_config)
+    check_async_sync(cfg, model_config)
     check_comm(cfg)
     ports = [
         ("comm.master_port", cfg.comm.master_port if check_port else None, "127.0.0.1"),

@@ -316,6 +316,77 @@ def _pp_compression(cfg: Any, f: Facts) -> str | None:
     )
 
 
+ASYNC_KEYS = ("n_ranks", "tensor_model_parallel_size", "max_staleness", "sync_wire", "dtype")
+
+
+def _async(cfg: Any) -> bool:
+    return cfg.rollout.mode == "async"
+
+
+def _async_in_colocated(cfg: Any, f: Facts) -> str | None:
+    r = cfg.rollout
+    fields = type(r).model_fields
+    set_ = [
+        f"rollout.{k}={getattr(r, k)!r}" for k in ASYNC_KEYS if getattr(r, k) != fields[k].default
+    ]
+    if _async(cfg) or not set_:
+        return None
+    return f"{', '.join(set_)} cannot apply with rollout.mode=colocated (async keys)"
+
+
+def _async_split(cfg: Any, f: Facts) -> str | None:
+    """The world split of the async mode (:mod:`verl_ppo.asyncrl.world`)."""
+    r, n = cfg.rollout, cfg.comm.nproc
+    if not _async(cfg):
+        return None
+    if r.n_ranks < 1:
+        return "rollout.mode=async with rollout.n_ranks=0: the rollout group is empty"
+    if r.n_ranks % r.tensor_model_parallel_size:
+        return (
+            f"rollout.n_ranks={r.n_ranks} is not a multiple of rollout.tensor_model_parallel_size"
+            f"={r.tensor_model_parallel_size}"
+        )
+    if n % r.n_ranks:
+        return (
+            f"comm.nproc={n} training ranks do not split evenly over rollout.n_ranks={r.n_ranks} "
+            "rollout ranks (each rollout rank makes the batches of comm.nproc / n_ranks "
+            "training ranks)"
+        )
+    return None
+
+
+def _async_blocked(cfg: Any, f: Facts) -> str | None:
+    """What the cross-group sync plan (:mod:`verl_ppo.reshard.group_plan`) or the async
+    wiring cannot serve."""
+    if not _async(cfg):
+        return None
+    he = cfg.actor.model_config_.hybrid_engine
+    if pipeline_degree(cfg) > 1:
+        return f"rollout.mode=async with {PP_KEY}={pipeline_degree(cfg)}: not wired (experiences go to each data-parallel training rank)"
+    if he.enable:
+        return "rollout.mode=async with actor.model_config.hybrid_engine.enable=true: the rollout ranks hold their own weights, there is nothing to reshard in place"
+    if f.actor_stage == 3:
+        return "rollout.mode=async with actor.zero_stage=3: the sync reads full weights on every training rank"
+    return None
+
+
+def _async_wire(cfg: Any, f: Facts) -> str | None:
+    r = cfg.rollout
+    if not _async(cfg) or r.sync_wire != "delta" or r.dtype == "bfloat16":
+        return None
+    return f"rollout.sync_wire=delta with rollout.dtype={r.dtype}: the delta codec compares 16-bit words"
+
+
+def _async_loss(cfg: Any, f: Facts) -> str | None:
+    r, loss = cfg.rollout, cfg.algorithm.policy_loss
+    if not _async(cfg) or r.max_staleness == 0 or loss == "decoupled":
+        return None
+    return (
+        f"rollout.max_staleness={r.max_staleness} with algorithm.policy_loss={loss}: batches "
+        "come from weights up to that many steps old and need the off-policy correction"
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("data.task",), _task, "set data.task to one of those"),
     Rule(("data.task", "data.train_files"), _no_source,
@@ -417,6 +488,18 @@ RULES: tuple[Rule, ...] = (
         "set gradient_checkpointing: false",
     ),
     Rule((PP_KEY, "model.tiny.model_type"), _pp_tiny, "use a Llama-family model_type"),
+    Rule(tuple(f"rollout.{k}" for k in ("mode", *ASYNC_KEYS)), _async_in_colocated,
+         "set rollout.mode: async, or remove those keys"),
+    Rule(("rollout.n_ranks", "rollout.tensor_model_parallel_size", "comm.nproc"), _async_split,
+         "set rollout.n_ranks to a divisor of comm.nproc (>= 1) and a multiple of "
+         "rollout.tensor_model_parallel_size"),
+    Rule(("rollout.mode", PP_KEY, "actor.model_config.hybrid_engine.enable", "actor.zero_stage"),
+         _async_blocked, "use rollout.mode: colocated for that layout, or train with "
+         "pipeline_parallel_size 1, hybrid_engine.enable false and actor.zero_stage <= 2"),
+    Rule(("rollout.sync_wire", "rollout.dtype"), _async_wire,
+         "set rollout.sync_wire: full, or rollout.dtype: bfloat16"),
+    Rule(("rollout.max_staleness", "algorithm.policy_loss"), _async_loss,
+         "set algorithm.policy_loss: decoupled, or rollout.max_staleness: 0"),
 )  # fmt: skip
 
 

@@ -181,16 +181,17 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
     """``(s1, s2)`` over the 16-bit words of ``t`` (see the module docstring).
 
     Args:
-        t: contiguous tensor of a 16-bit dtype, any shape and device.
+        t: contiguous tensor of a 16-bit dtype (or a 32-bit one, read as twice as many
+            16-bit words), any shape and device.
 
     Returns:
         two Python ints in ``[-2^63, 2^63)`` (int64 sums, wrapping).
 
     Raises:
-        ValueError: not contiguous or not 16-bit.
+        ValueError: not contiguous, or neither 16- nor 32-bit.
     """
-    if not t.is_contiguous() or t.element_size() != 2:
-        raise ValueError(f"checksum needs a contiguous 16-bit tensor, got {t.dtype}")
+    if not t.is_contiguous() or t.element_size() not in (2, 4):
+        raise ValueError(f"checksum needs a contiguous 16- or 32-bit tensor, got {t.dtype}")
     w = t.reshape(-1).view(torch.int16)
     s1 = torch.zeros((), dtype=torch.int64, device=t.device)
     s2 = torch.zeros((), dtype=torch.int64, device=t.device)

@@ -92,21 +92,39 @@ class SyncStats:
     verified: bool = False
 
 
+def registered(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is WORLD or a group of this process's default world (else a
+    standalone process group, e.g. the bridge between the training and the rollout worlds
+    of :mod:`verl_ppo.asyncrl.world`, called through its own ``send``/``recv``)."""
+    if group is None:
+        return True
+    try:
+        dist.get_process_group_ranks(group)
+    except KeyError:  # torch's answer for a group it did not register
+        return False
+    return True
+
+
 class _Peer:
     """Point-to-point calls on the sync group with byte counting and deadlines."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, cuda: bool) -> None:
         self.group, self.rank, self.cuda = group, rank, cuda
+        self.standalone = not registered(group)
 
     def _glob(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
     def isend(self, t: torch.Tensor, dst: int, stats: SyncStats) -> dist.Work:
         stats.bytes_sent += t.numel() * t.element_size()
+        if self.standalone:
+            return self.group.send([t], dst, 0)
         return dist.isend(t, self._glob(dst), group=self.group)
 
     def irecv(self, t: torch.Tensor, src: int, stats: SyncStats) -> dist.Work:
         stats.bytes_received += t.numel() * t.element_size()
+        if self.standalone:
+            return self.group.recv([t], src, 0)
         return dist.irecv(t, self._glob(src), group=self.group)
 
     def wait(self, work: dist.Work, deadline: float, peer: int, phase: str) -> None:
@@ -115,21 +133,44 @@ class _Peer:
         Raises:
             WeightSyncError: the deadline passed or the transport failed (peer died).
         """
-        what = f"rank {self.rank}: weight sync {phase} with rank {peer}"
-        try:
-            if self.cuda:  # NCCL: completion is observable without blocking
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError
-                    time.sleep(1e-4)
-                work.wait()
-            else:  # gloo: wait(timeout) raises at the deadline
-                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-        except TimeoutError:
-            raise WeightSyncError(f"{what} timed out (timeout_s exceeded)") from None
-        except RuntimeError as e:
-            kind = "timed out" if "Timed out" in str(e) else "failed"
-            raise WeightSyncError(f"{what} {kind}: {e}") from e
+        wait_work(
+            work, deadline, self.cuda, f"rank {self.rank}: weight sync {phase} with rank {peer}"
+        )
+
+
+def wait_work(
+    work: dist.Work,
+    deadline: float,
+    cuda: bool,
+    what: str,
+    error: type[Exception] = WeightSyncError,
+) -> None:
+    """Wait for a point-to-point ``work`` until ``deadline`` (``time.monotonic()``).
+
+    Args:
+        cuda: NCCL work (polled: completion is observable without blocking); else gloo
+            (``wait(timeout)`` raises at the deadline).
+        what: who waits for what from whom, the start of the error message.
+        error: the exception raised.
+
+    Raises:
+        error: the deadline passed (``"<what> timed out"``) or the transport failed, e.g.
+            the peer died (``"<what> failed: <cause>"``).
+    """
+    try:
+        if cuda:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                time.sleep(1e-4)
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+    except TimeoutError:
+        raise error(f"{what} timed out (timeout_s exceeded)") from None
+    except RuntimeError as e:
+        kind = "timed out" if "Timed out" in str(e) else "failed"
+        raise error(f"{what} {kind}: {e}") from e
 
 
 def _check_wire(wire: str) -> None:
@@ -137,9 +178,13 @@ def _check_wire(wire: str) -> None:
         raise ValueError(f"sync wire {wire!r} is not one of {WIRES}")
 
 
-def _dtype_ok(dtype: torch.dtype) -> None:
-    if not dtype.is_floating_point or torch.empty((), dtype=dtype).element_size() != 2:
-        raise ValueError(f"rollout dtype must be bf16 or fp16, got {dtype}")
+def _dtype_ok(dtype: torch.dtype, wire: str) -> None:
+    size = torch.empty((), dtype=dtype).element_size()
+    if not dtype.is_floating_point or size not in (2, 4) or (wire == "delta" and size != 2):
+        raise ValueError(
+            f"rollout dtype must be bf16 or fp16 (fp32 too with the full wire), got {dtype} "
+            f"with wire {wire!r}"
+        )
 
 
 class SyncSender:
@@ -148,9 +193,10 @@ class SyncSender:
     Args:
         plan: the sync plan (same on every rank).
         rank: this rank in the sync group (a training rank of the plan).
-        group: the sync group (None = WORLD), used by nothing else.
+        group: the sync group (None = WORLD; a registered group, or a standalone process
+            group spanning two worlds, see :func:`registered`), used by nothing else.
         wire: ``"full"`` or ``"delta"``.
-        dtype: rollout dtype (bf16 or fp16).
+        dtype: rollout dtype (bf16 or fp16; fp32 with ``wire="full"``).
         device: where the weights live (``cuda`` with NCCL, ``cpu`` with gloo).
         timeout_s: deadline of :meth:`finish` (seconds).
 
@@ -170,7 +216,7 @@ class SyncSender:
         timeout_s: float = 300.0,
     ) -> None:
         _check_wire(wire)
-        _dtype_ok(dtype)
+        _dtype_ok(dtype, wire)
         if rank not in plan.train_ranks:
             raise ValueError(f"rank {rank} is not a training rank {list(plan.train_ranks)}")
         self.plan, self.rank, self.wire, self.dtype = plan, rank, wire, dtype
@@ -284,7 +330,7 @@ class SyncReceiver:
         timeout_s: float = 300.0,
     ) -> None:
         _check_wire(wire)
-        _dtype_ok(dtype)
+        _dtype_ok(dtype, wire)
         if rank not in plan.rollout_ranks:
             raise ValueError(f"rank {rank} is not a rollout rank {list(plan.rollout_ranks)}")
         self.plan, self.rank, self.wire, self.dtype = plan, rank, wire, dtype

@@ -87,8 +87,9 @@ class Actor:
             mask = micro.response_mask
             old = logp.detach() if on_policy else micro.old_log_prob
             loss, metrics = actor_loss(
-                logp, ent, mask, old, micro.advantages, micro.ref_log_prob, a, divisor
-            )
+                logp, ent, mask, old, micro.advantages, micro.ref_log_prob, a, divisor,
+                rollout_log_prob=micro.rollout_log_prob,
+            )  # fmt: skip
             if on_policy:  # how far the rollout's log-probs are from the training forward's
                 metrics["rollout_log_prob_kl"] = float(
                     masked_mean(micro.old_log_prob - logp.detach(), mask)
@@ -107,6 +108,7 @@ def actor_loss(
     ref_log_prob: torch.Tensor | None,
     algo: Any,
     divisor: float,
+    rollout_log_prob: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The actor's micro-batch loss: ``algo.policy_loss``, entropy bonus, optional KL loss.
 
@@ -118,12 +120,16 @@ def actor_loss(
             ``algo.kl.use_kl_loss``).
         algo: ``PPOConfig.algorithm``.
         divisor: the ``token-mean`` divisor (:func:`~verl_ppo.roles.common.global_token_divisor`).
+        rollout_log_prob: ``(B, R)`` the behaviour policy's log-probs, read by the
+            ``decoupled`` loss only (the asynchronous mode's off-policy correction,
+            :mod:`verl_ppo.algorithms.off_policy`).
 
     Returns:
         ``(loss, metrics)``: metrics ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
         ``ppo_kl``, ``entropy`` and ``kl_loss`` with the KL loss term.
     """
     a = algo
+    behaviour = {"rollout_log_prob": rollout_log_prob} if a.policy_loss == "decoupled" else {}
     pg_loss, m = POLICY_LOSSES[a.policy_loss](
         old_log_prob,
         logp,
@@ -133,6 +139,7 @@ def actor_loss(
         clip_ratio_c=a.clip_ratio_c,
         loss_agg_mode=a.loss_agg_mode,
         global_tokens=divisor,
+        **behaviour,
     )
     metrics = {k: float(v) for k, v in m.items()}
     metrics["pg_loss"] = float(pg_loss.detach())
