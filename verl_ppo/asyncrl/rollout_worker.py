@@ -27,7 +27,7 @@ from verl_ppo.asyncrl.channel import ExperienceChannel
 from verl_ppo.asyncrl.tp_rollout import NoStrategy, SyncedRollout, tp_rollout_model
 from verl_ppo.asyncrl.weights import DTYPES, RolloutWeights, sync_plan
 from verl_ppo.asyncrl.world import AsyncWorld
-from verl_ppo.data.tasks import Task
+from verl_ppo.data.file_source import build_prompt_source
 from verl_ppo.job.fast_path import ModelFacts, model_config_of, resolve
 from verl_ppo.observe.metrics import PhaseTimer, get_logger
 from verl_ppo.step.experience_maker import ExperienceMaker
@@ -64,13 +64,7 @@ class RolloutWorker:
         job = resolve(cfg, cuda, ModelFacts.of_config(model_config))
         self.log = get_logger(world.rank)
         tokenizer = load_tokenizer(cfg.model)
-        task = Task(
-            cfg.data.task,
-            train_size=cfg.data.train_size,
-            eval_size=cfg.data.eval_size,
-            seed=cfg.seed,
-            overrides=cfg.data.task_kwargs,
-        )
+        task = build_prompt_source(cfg, tokenizer, None)  # the training ranks log its counts
         plan = sync_plan(cfg, model_config, job.actor_zero_stage)
         r, hybrid = cfg.rollout, None
         if r.tensor_model_parallel_size == 1:  # the HF forward, as the colocated mode
