@@ -156,6 +156,8 @@ def test_schema_imports_no_feature_module():
         "verl_ppo.reshard",
         "verl_ppo.reshard.config",
         "verl_ppo.reshard.layout",
+        "verl_ppo.rollout",
+        "verl_ppo.rollout.config",
     }, loaded
 
 

@@ -5,8 +5,8 @@ stages it runs, and, once known, the device and the policy model) and returns wh
 wrong, naming the keys as the user wrote them with their values, or None; its fix is
 written beside it. :data:`RULES` holds them all.
 
-The ``auto`` switches have their own table, :data:`SWITCHES`: for each, what blocks it
-(the config, the device, the model). :func:`verl_ppo.job.fast_path.resolve` turns an ``auto``
+The ``auto`` switches have their own table, :data:`verl_ppo.job.switches.SWITCHES`: for
+each, what blocks it (the config, the device, the model). :func:`verl_ppo.job.fast_path.resolve` turns an ``auto``
 off where something blocks it, and :func:`check` refuses an explicit ``true`` with the
 same reason, so a rule is never written twice.
 
@@ -23,51 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_ppo.errors import ConfigError, divisors
-
-PP_KEY = "actor.model_config.hybrid_engine.training_sharding.pipeline_parallel_size"
-PIPELINE_ZERO_STAGES = (0, 1)
-
-
-@dataclass(frozen=True)
-class Facts:
-    """What the rules read besides the config.
-
-    Attributes:
-        actor_stage, critic_stage: the ZeRO stages the job runs (``auto`` resolved).
-        cuda: the job runs on CUDA; None = not judged yet (a config being built: the
-            device is judged by preflight and the trainer, which know the model too).
-        model: :class:`verl_ppo.job.fast_path.ModelFacts` of the policy, or None (not known).
-    """
-
-    actor_stage: int
-    critic_stage: int
-    cuda: bool | None = None
-    model: Any = None
-
-    def stage(self, role: str) -> int:
-        """The ZeRO stage of ``role`` (``actor`` or ``critic``)."""
-        return self.actor_stage if role == "actor" else self.critic_stage
-
-
-def pipeline_degree(cfg: Any) -> int:
-    """``actor.model_config.hybrid_engine.training_sharding.pipeline_parallel_size``."""
-    return int(cfg.actor.model_config_.hybrid_engine.training_sharding.pipeline_parallel_size)
-
-
-def trained_roles(cfg: Any) -> tuple[str, ...]:
-    """The roles with an optimizer: the actor, and the critic under GAE."""
-    return ("actor", "critic") if cfg.algorithm.adv_estimator == "gae" else ("actor",)
-
-
-def several_updates(cfg: Any) -> str | None:
-    """Why the policy is updated more than once per rollout (None: once, which is what
-    ``algorithm.old_log_prob: bypass`` needs; see :func:`verl_ppo.job.fast_path.resolve`)."""
-    t = cfg.train
-    if t.ppo_epochs == 1 and t.rollout_batch_size == t.ppo_mini_batch_size:
-        return None
-    return (
-        f"ppo_epochs={t.ppo_epochs}, {t.rollout_batch_size // t.ppo_mini_batch_size} mini-batches"
-    )
+from verl_ppo.job.facts import (  # noqa: F401 - re-exported: the rules' vocabulary
+    PIPELINE_ZERO_STAGES,
+    PP_KEY,
+    Facts,
+    pipeline_degree,
+    several_updates,
+    trained_roles,
+)
+from verl_ppo.job.switches import SWITCHES, Switch, switch_message  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
@@ -114,11 +78,10 @@ def _task(cfg: Any, f: Facts) -> str | None:
     return f"data.task: unknown task {v!r} (tasks: {sorted(TASKS)})"
 
 
-def _data_default(key: str) -> Any:
-    """The schema's default of ``data.<key>`` (:class:`verl_ppo.config.DataConfig`)."""
-    from verl_ppo.config import DataConfig
-
-    return DataConfig.model_fields[key].get_default(call_default_factory=True)
+def _data_default(cfg: Any, key: str) -> Any:
+    """The schema's default of ``data.<key>``, read from the config's own model class (the
+    schema is not imported here: it runs these rules)."""
+    return type(cfg.data).model_fields[key].get_default(call_default_factory=True)
 
 
 def _files_only(key: str) -> Callable[[Any, Facts], str | None]:
@@ -126,7 +89,7 @@ def _files_only(key: str) -> Callable[[Any, Facts], str | None]:
 
     def problem(cfg: Any, f: Facts) -> str | None:
         v = getattr(cfg.data, key)
-        if cfg.data.train_files or v == _data_default(key):
+        if cfg.data.train_files or v == _data_default(cfg, key):
             return None
         return f"data.{key}={v!r} applies to verl-format files, but data.train_files is not set"
 
@@ -139,7 +102,7 @@ def _task_only(key: str) -> Callable[[Any, Facts], str | None]:
     def problem(cfg: Any, f: Facts) -> str | None:
         d = cfg.data
         v = getattr(d, key)
-        unset = v is None or (key != "task" and v == _data_default(key))
+        unset = v is None or (key != "task" and v == _data_default(cfg, key))
         if not d.train_files or unset:
             return None
         return f"data.{key}={v!r} and data.train_files={d.train_files} both name the prompts"
@@ -501,113 +464,6 @@ RULES: tuple[Rule, ...] = (
     Rule(("rollout.max_staleness", "algorithm.policy_loss"), _async_loss,
          "set algorithm.policy_loss: decoupled, or rollout.max_staleness: 0"),
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Switch:
-    """An ``auto``/true/false setting: ``blocked(cfg, facts, auto)`` says why it cannot
-    apply (None: it can; ``auto``: the value is ``auto``, some reasons only turn ``auto``
-    off and let an explicit ``true`` run)."""
-
-    key: str
-    blocked: Callable[[Any, Facts, bool], str | None]
-    fix: str = "set it to auto or false"
-
-    def value(self, cfg: Any) -> Any:
-        """The value as written (``auto``, True or False)."""
-        node = cfg
-        for part in self.key.split("."):
-            node = getattr(node, part)
-        return node
-
-
-def _cuda_graph(cfg: Any, f: Facts, auto: bool) -> str | None:
-    pp = pipeline_degree(cfg)
-    if pp > 1:
-        return (
-            f"{PP_KEY}={pp}: generation runs on the TP rollout model, which does not capture "
-            "CUDA graphs"
-        )
-    if f.cuda is False:
-        return "no CUDA device"
-    if f.model is not None and f.model.static_decoding is not None:
-        return f.model.static_decoding
-    if f.actor_stage == 3 and not cfg.actor.model_config_.hybrid_engine.enable:
-        return "ZeRO-3 partitions the weights the graph reads (enable the hybrid engine)"
-    return None
-
-
-def _packing(cfg: Any, f: Facts, auto: bool) -> str | None:
-    pp = pipeline_degree(cfg)
-    if pp > 1:
-        return (
-            f"{PP_KEY}={pp}: pipeline micro-batches have a fixed number of sequences "
-            "(DeepSpeed's schedule)"
-        )
-    attn = None if f.model is None else f.model.attention
-    if auto and attn is not None and "flash" not in attn:  # set: any attention (dense mask)
-        from verl_ppo.step.varlen import available
-
-        why_not = "no CUDA device" if f.cuda is False else available()
-        if why_not is None and "float32" in (cfg.amp_dtype, cfg.model.dtype):
-            why_not = "the weights run in float32 (torch's varlen kernels take bf16/fp16)"
-        if why_not is not None:  # torch's varlen kernels run the packed row on CUDA
-            return f"attention is {attn} and {why_not}: a packed row would need a dense (T, T) mask"
-    return None
-
-
-def _fused_head(cfg: Any, f: Facts, auto: bool) -> str | None:
-    pp = pipeline_degree(cfg)
-    if pp > 1:
-        return (
-            f"{PP_KEY}={pp}: the log-probs are the pipeline's loss function on the last "
-            "stage's logits"
-        )
-    if f.model is not None and f.model.fused_head is not None:
-        return f.model.fused_head
-    if f.actor_stage == 3:
-        return "ZeRO-3 partitions the LM head weight"
-    return None
-
-
-def _compile(cfg: Any, f: Facts, auto: bool) -> str | None:
-    pp = pipeline_degree(cfg)
-    if pp > 1:
-        return (
-            f"{PP_KEY}={pp}: the pipeline stages run DeepSpeed's PipelineModule layers, which "
-            "are not compiled"
-        )
-    if f.cuda is False:
-        return "no CUDA device (inductor on the CPU would build C++ on every new host)"
-    if f.model is not None and not f.model.decoder_layers:
-        return f"{f.model.class_name} has no decoder layer list to compile"
-    if any(f.stage(r) == 3 for r in trained_roles(cfg)):
-        return (
-            "ZeRO-3 gathers each layer's parameters in module hooks, which the compiled layer "
-            "call would trace (not supported here)"
-        )
-    if auto and cfg.model.gradient_checkpointing:
-        return "model.gradient_checkpointing (compiled recomputation not measured here)"
-    return None
-
-
-def _fused_adamw(cfg: Any, f: Facts, auto: bool) -> str | None:
-    return "no CUDA device (foreach AdamW)" if f.cuda is False else None
-
-
-SWITCHES: tuple[Switch, ...] = (
-    Switch("rollout.use_cuda_graph", _cuda_graph),
-    Switch("train.sequence_packing", _packing, "set it to auto"),
-    Switch("train.fused_log_probs", _fused_head),
-    Switch("train.torch_compile", _compile),
-    Switch("actor.optim.fused", _fused_adamw),
-    Switch("critic.optim.fused", _fused_adamw),
-)
-
-
-def switch_message(switch: Switch, why: str) -> str:
-    """The refusal of an explicit ``true`` that ``why`` blocks."""
-    return f"{switch.key}=true cannot apply: {why}; {switch.fix}"
 
 
 def problems(cfg: Any, facts: Facts) -> list[str]:

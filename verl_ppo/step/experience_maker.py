@@ -202,14 +202,11 @@ class ExperienceMaker:
         Raises:
             TimeoutError: a micro-batch's scores did not arrive within ``timeout_s``.
         """
-        cfg = self.config
         m: dict[str, float] = {}
         texts, entries, groups = self.prompts(step)
         prompt_ids, prompt_mask = self.encode(texts)
         P, B = prompt_ids.shape[1], prompt_ids.shape[0]
         pad = self.tokenizer.pad_token_id
-        mb = cfg.rollout.micro_batch_size or B
-        parts, lp_parts, futures = [], [], []
         with contextlib.ExitStack() as stack:
             rollout_model = None
             if self.hybrid is not None:
@@ -217,31 +214,9 @@ class ExperienceMaker:
                     held = self.actor.strategy.hf_named_parameters()  # real holdings
                     rollout_model = stack.enter_context(self.hybrid.rollout(held))
             with timer.phase("gen"):
-                self.actor.module.eval()
-                for i in range(0, B, mb):
-                    seed = cfg.seed * 1_000_003 + step * 7919 + self.rank * 131 + i
-                    out_i = self.generate(
-                        prompt_ids[i : i + mb],
-                        prompt_mask[i : i + mb],
-                        False,
-                        cfg.rollout.max_new_tokens,
-                        seed,
-                        rollout_model,
-                    )
-                    seqs_i = out_i.sequences
-                    parts.append(seqs_i[:, P:])
-                    lp_parts.append(out_i.log_probs)
-                    if self.scorer is not None:  # score i while i+1 generates
-                        r_i = seqs_i[:, P:]
-                        batch = self.reward_batch(
-                            prompt_ids[i : i + mb],
-                            prompt_mask[i : i + mb],
-                            texts[i : i + mb],
-                            r_i,
-                            response_mask_from(r_i, self.tokenizer.eos_token_id, pad),
-                            entries[i : i + mb],
-                        )
-                        futures.append(self.scorer.submit(batch))
+                parts, lp_parts, futures = self._generate(
+                    step, prompt_ids, prompt_mask, texts, entries, rollout_model
+                )
             if self.hybrid is not None:
                 with timer.phase("reshard"):
                     stack.close()
@@ -281,6 +256,47 @@ class ExperienceMaker:
         if hasattr(self.reward_model, "metrics"):
             m.update({k: float(v) for k, v in self.reward_model.metrics(reset=True).items()})
         return exp, m
+
+    def _generate(
+        self,
+        step: int,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        texts: list[str],
+        entries: list[dict],
+        rollout_model: Any,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
+        """Generate ``rollout.micro_batch_size`` prompts at a time, submitting each
+        micro-batch's scoring while the next one generates; returns the responses
+        ``(b, R_i)``, their rollout log-probs ``(b, R_i)`` and the scoring futures."""
+        cfg, P, B = self.config, prompt_ids.shape[1], prompt_ids.shape[0]
+        mb, pad = cfg.rollout.micro_batch_size or B, self.tokenizer.pad_token_id
+        parts, lp_parts, futures = [], [], []
+        self.actor.module.eval()
+        for i in range(0, B, mb):
+            seed = cfg.seed * 1_000_003 + step * 7919 + self.rank * 131 + i
+            out_i = self.generate(
+                prompt_ids[i : i + mb],
+                prompt_mask[i : i + mb],
+                False,
+                cfg.rollout.max_new_tokens,
+                seed,
+                rollout_model,
+            )
+            r_i = out_i.sequences[:, P:]
+            parts.append(r_i)
+            lp_parts.append(out_i.log_probs)
+            if self.scorer is not None:  # score i while i+1 generates
+                batch = self.reward_batch(
+                    prompt_ids[i : i + mb],
+                    prompt_mask[i : i + mb],
+                    texts[i : i + mb],
+                    r_i,
+                    response_mask_from(r_i, self.tokenizer.eos_token_id, pad),
+                    entries[i : i + mb],
+                )
+                futures.append(self.scorer.submit(batch))
+        return parts, lp_parts, futures
 
     @torch.no_grad()
     def greedy_scores(

@@ -210,6 +210,32 @@ def packed_log_probs(
     keep = pred_flat[pb.src_index].nonzero().squeeze(-1)  # packed positions that predict
     src = pb.src_index[keep]  # their flat (b*L + l) index; the target is at src + 1
     targets = input_ids.reshape(-1)[src + 1]
+    logp, ent_k = _kept_log_probs(model, pb, keep, targets, temperature, with_entropy, fused)
+    B = input_ids.shape[0]
+
+    def to_response(x: torch.Tensor) -> torch.Tensor:
+        full = x.new_zeros(B * L).index_put((src,), x).view(B, L)
+        return full[:, prompt_len - 1 : -1]
+
+    ent = to_response(ent_k) if ent_k is not None else None
+    return to_response(logp), ent
+
+
+def _kept_log_probs(
+    model: torch.nn.Module,
+    pb: PackedBatch,
+    keep: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``(K,)`` float32 of ``targets`` at the packed positions ``keep (K,)`` (and
+    their entropies), through the chunked head when ``fused``, else ``logits_to_keep``.
+
+    Raises:
+        RuntimeError: the model ignored ``logits_to_keep`` as an index tensor.
+    """
     if fused:
         from verl_ppo.job.model_family import decoder_of
         from verl_ppo.roles.fused_head import chunked_head_log_probs, head_weight
@@ -225,40 +251,29 @@ def packed_log_probs(
                 **kw,
             ),
         ).last_hidden_state[0, keep]
-        logp, ent_k = chunked_head_log_probs(
-            h, head_weight(model), targets, temperature, with_entropy
+        return chunked_head_log_probs(h, head_weight(model), targets, temperature, with_entropy)
+    out = _run_packed(
+        model,
+        pb,
+        lambda **kw: model(
+            input_ids=pb.input_ids,
+            position_ids=pb.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            logits_to_keep=keep,
+            **kw,
+        ),
+    )
+    logits = out.logits[0].float()  # (K, V)
+    if logits.shape[0] != keep.numel():
+        raise RuntimeError(
+            f"model returned {logits.shape[0]} logits for {keep.numel()} kept positions: "
+            "it does not honour logits_to_keep as an index tensor"
         )
-    else:
-        out = _run_packed(
-            model,
-            pb,
-            lambda **kw: model(
-                input_ids=pb.input_ids,
-                position_ids=pb.position_ids,
-                attention_mask=None,
-                use_cache=False,
-                logits_to_keep=keep,
-                **kw,
-            ),
-        )
-        logits = out.logits[0].float()  # (K, V)
-        if logits.shape[0] != keep.numel():
-            raise RuntimeError(
-                f"model returned {logits.shape[0]} logits for {keep.numel()} kept positions: "
-                "it does not honour logits_to_keep as an index tensor"
-            )
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
-        ent_k = entropy_from_logits(logits) if with_entropy else None
-    B = input_ids.shape[0]
-
-    def to_response(x: torch.Tensor) -> torch.Tensor:
-        full = x.new_zeros(B * L).index_put((src,), x).view(B, L)
-        return full[:, prompt_len - 1 : -1]
-
-    ent = to_response(ent_k) if ent_k is not None else None
-    return to_response(logp), ent
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    return logp, entropy_from_logits(logits) if with_entropy else None
 
 
 def packed_values(
