@@ -23,12 +23,13 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from default_job import CONFIG, REPO, check, finish_seed, start_seed  # noqa: E402
+from default_job import JOBS, REPO, check, finish_seed, start_seed  # noqa: E402
 
 from verl_comm.bench.env import commit, dirty, now_iso, versions  # noqa: E402
 
 BENCH = "async_rollout"
 GAIN_MIN = 0.3
+CONFIG = JOBS["default_job"][0]  # the default job, run in async mode
 ASYNC = [
     "rollout.mode=async",
     "rollout.n_ranks=2",  # 2 training + 2 rollout ranks
