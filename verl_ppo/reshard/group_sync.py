@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -187,6 +188,33 @@ def _dtype_ok(dtype: torch.dtype, wire: str) -> None:
         )
 
 
+def _endpoint(
+    end: Any,
+    plan: GroupSyncPlan,
+    rank: int,
+    side: str,
+    group: dist.ProcessGroup | None,
+    wire: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    timeout_s: float,
+) -> None:
+    """Check and set what a :class:`SyncSender` or :class:`SyncReceiver` holds in common.
+
+    Raises:
+        ValueError: unknown wire, a dtype the wire cannot carry, or ``rank`` not on ``side``
+            (``training`` or ``rollout``) of the plan.
+    """
+    _check_wire(wire)
+    _dtype_ok(dtype, wire)
+    ranks = plan.train_ranks if side == "training" else plan.rollout_ranks
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not a {side} rank {list(ranks)}")
+    end.plan, end.rank, end.wire, end.dtype = plan, rank, wire, dtype
+    end.device, end.timeout_s = torch.device(device), timeout_s
+    end.peer = _Peer(group, rank, end.device.type == "cuda")
+
+
 class SyncSender:
     """Training side: cast, slice, encode and post this rank's streams.
 
@@ -215,13 +243,7 @@ class SyncSender:
         device: torch.device | str = "cpu",
         timeout_s: float = 300.0,
     ) -> None:
-        _check_wire(wire)
-        _dtype_ok(dtype, wire)
-        if rank not in plan.train_ranks:
-            raise ValueError(f"rank {rank} is not a training rank {list(plan.train_ranks)}")
-        self.plan, self.rank, self.wire, self.dtype = plan, rank, wire, dtype
-        self.device, self.timeout_s = torch.device(device), timeout_s
-        self.peer = _Peer(group, rank, self.device.type == "cuda")
+        _endpoint(self, plan, rank, "training", group, wire, dtype, device, timeout_s)
         self.streams = plan.sends_of(rank)
         self._ref: dict[int, torch.Tensor] = {}  # stream index -> what its receiver holds
         self._pending: list[tuple[dist.Work, int, str, torch.Tensor]] = []
@@ -329,13 +351,7 @@ class SyncReceiver:
         device: torch.device | str = "cpu",
         timeout_s: float = 300.0,
     ) -> None:
-        _check_wire(wire)
-        _dtype_ok(dtype, wire)
-        if rank not in plan.rollout_ranks:
-            raise ValueError(f"rank {rank} is not a rollout rank {list(plan.rollout_ranks)}")
-        self.plan, self.rank, self.wire, self.dtype = plan, rank, wire, dtype
-        self.device, self.timeout_s = torch.device(device), timeout_s
-        self.peer = _Peer(group, rank, self.device.type == "cuda")
+        _endpoint(self, plan, rank, "rollout", group, wire, dtype, device, timeout_s)
         self.streams = plan.recvs_of(rank)
         shards = plan.rollout_shards_of(rank)
         self.live = {
