@@ -20,12 +20,13 @@ from _ppo_workload import FixedLengthTask, Setup, fixed_length_prompts, load_tok
 def _task_replaced(task: FixedLengthTask):
     import verl_ppo.trainer as trainer_mod
 
-    saved = trainer_mod.Task
-    trainer_mod.Task = lambda *a, **k: task  # the trainer calls Task(name, train_size=...)
+    saved = trainer_mod.build_prompt_source
+    # the trainer takes its prompts from build_prompt_source(cfg, tokenizer, log)
+    trainer_mod.build_prompt_source = lambda *a, **k: task
     try:
         yield
     finally:
-        trainer_mod.Task = saved
+        trainer_mod.build_prompt_source = saved
 
 
 def _check_finite(m: dict[str, float], what: str) -> None:

@@ -32,7 +32,7 @@ Protocol (issue 8, "GPU throughput, side by side"):
 
 The fixed-length prompts are not a reasoning-gym task (and reasoning-gym is not installed
 on the GPU machine), so the benchmark hands the trainer a :class:`FixedLengthTask` in place
-of ``verl_ppo.trainer.Task`` for the duration of the run (same ``sample``/``score``
+of ``verl_ppo.trainer.build_prompt_source`` for the duration of the run (same ``sample``/``score``
 interface). TRL 1.12.0 (the last release with ``trl.experimental.ppo``) imports pandas,
 datasets and pyarrow at module level although its PPO training loop never calls them; where
 they are not installed (the GPU machine; pyarrow + pandas would exceed the 64 MiB carried

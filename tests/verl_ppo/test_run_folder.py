@@ -209,7 +209,11 @@ def test_ctrl_c_during_start_up_says_so(tmp_path):
          f"run_dir={tmp_path}"],
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    time.sleep(1.5)  # in main(): importing torch and validating the config take longer
+    # main() takes and gives back run_dir's lock before any heavy import (the file stays);
+    # from then on it is in start-up (config, preflight, torch) for far longer than the poll
+    deadline = time.monotonic() + 60
+    while not (tmp_path / ".lock").exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     # 130 = 128 + SIGINT from main(); on a fresh clone (imports compiling their .pyc) the
