@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from default_job import JOBS, REPO, check, finish_seed, start_seed  # noqa: E402
+from default_job import JOBS, REPO, SMOKE, check, finish_seed, start_seed  # noqa: E402
 
 from verl_comm.bench.env import commit, dirty, now_iso, versions  # noqa: E402
 
@@ -37,15 +37,6 @@ ASYNC = [
     "rollout.sync_wire=delta",
     "rollout.dtype=bfloat16",
     "algorithm.policy_loss=decoupled",
-]
-SMOKE = [
-    "model.tiny={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
-    "num_attention_heads: 4, num_key_value_heads: 2}",
-    "train.num_steps=2",
-    "data.eval_size=4",
-    "rollout.max_new_tokens=8",
-    "rollout.eval_max_new_tokens=8",
-    "train.keep_last_checkpoints=1",
 ]
 
 

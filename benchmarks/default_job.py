@@ -39,6 +39,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT = "default_job_result.json"
+SMOKE = [  # --smoke: a tiny model, 2 steps (CI); also used by async_learning.py
+    "model.tiny={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+    "num_attention_heads: 4, num_key_value_heads: 2}",
+    "train.num_steps=2",
+    "data.eval_size=4",
+    "rollout.max_new_tokens=8",
+    "rollout.eval_max_new_tokens=8",
+    "train.keep_last_checkpoints=1",
+]
 JOBS = {
     # job: (config, smallest eval gain of every seed, the wall-time bound, what it bounds)
     "default_job": ("configs/default.yaml", 0.15, 600.0, "wall_s"),
@@ -381,15 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--set changes the job: name its records with --tag")
     a.runs = a.runs or f"runs/{stem}"
     if a.smoke:
-        extra += [
-            "model.tiny={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
-            "num_attention_heads: 4, num_key_value_heads: 2}",
-            "train.num_steps=2",
-            "data.eval_size=4",
-            "rollout.max_new_tokens=8",
-            "rollout.eval_max_new_tokens=8",
-            "train.keep_last_checkpoints=1",
-        ]
+        extra += SMOKE
         stem, a.seeds, a.runs = f"{stem}.smoke", a.seeds[:2], str(Path(a.out) / "runs")
     cfg = load_config(REPO / config, extra)
     meta = {
