@@ -105,6 +105,8 @@ def markdown(recs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI: run the seeds in async mode, append ``eval_gain`` records, regenerate the
+    markdown; returns 0 when every seed meets the gain target, 1 otherwise."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))

@@ -38,6 +38,8 @@ from benchmarks._ppo_workload import SHAPES  # noqa: E402
 
 
 def build(shape: str, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """A causal LM of ``SHAPES[shape]`` with sdpa attention, random weights drawn after
+    ``torch.manual_seed(seed)``, on ``device`` in ``dtype``, in train mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(SHAPES[shape])
@@ -96,6 +98,8 @@ def numerics(a, ids, mask) -> dict:
 
 
 def timed(a, ids, mask) -> dict[str, list[float]]:
+    """Seconds per update of each method (``padded``, ``packed``), ``a.rounds`` rounds after
+    ``a.warmup``, the order alternating per round; CUDA synchronised around each update."""
     model = build(a.shape, a.device, a.dtype)
     cuda = a.device == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=cuda)
@@ -114,6 +118,8 @@ def timed(a, ids, mask) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI: numerics check, interleaved timing, records and markdown; returns 1 when the
+    packed loss is outside bf16 noise of the padded one (no timing then), else 0."""
     from verl_comm.bench.env import commit, dirty, now_iso, versions
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
