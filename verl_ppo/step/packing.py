@@ -133,7 +133,8 @@ def packed_attention(model: torch.nn.Module, pb: PackedBatch):
     attn = str(getattr(getattr(model, "module", model).config, "_attn_implementation", ""))
     if not pb.input_ids.is_cuda or "flash" in attn or varlen.available() is not None:
         return contextlib.nullcontext(), {}
-    varlen.register()
+    if not varlen.is_registered():
+        varlen.register()
     return varlen.varlen_model(model), varlen.packed_kwargs(pb.seq_lens)
 
 

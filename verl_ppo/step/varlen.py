@@ -19,6 +19,7 @@ a varlen kernel wants.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,11 +30,12 @@ NAME = "verl_varlen"
 """The attention implementation name registered in HF's ``AttentionInterface``."""
 
 
+@functools.cache
 def available() -> str | None:
     """Why torch's varlen attention cannot run here (None: it can).
 
     It needs ``torch.nn.attention.varlen`` (torch >= 2.10) and a CUDA device (FlashAttention
-    kernels; torch has no CPU implementation).
+    kernels; torch has no CPU implementation). Decided once per process.
     """
     try:
         import torch.nn.attention.varlen  # noqa: F401
@@ -92,6 +94,7 @@ def reference_kernel(q, k, v, cu, max_len, scale):
 
 
 _kernel: Callable[..., torch.Tensor] | None = None
+_registered = False
 
 
 def _attention(
@@ -136,9 +139,16 @@ def register(kernel: Callable[..., torch.Tensor] | None = None) -> None:
     """
     from transformers import AttentionInterface
 
-    global _kernel
+    global _kernel, _registered
     _kernel = kernel
-    AttentionInterface.register(NAME, _attention)
+    if not _registered:
+        AttentionInterface.register(NAME, _attention)
+        _registered = True
+
+
+def is_registered() -> bool:
+    """Whether :func:`register` has run in this process."""
+    return _registered
 
 
 def packed_kwargs(seq_lens: torch.Tensor) -> dict[str, Any]:
