@@ -121,6 +121,7 @@ def decode_loop(
 
     Raises:
         ValueError: bad shapes or ``max_new_tokens < 1``.
+        RuntimeError: non-finite logits (checked once, at the end: no per-step sync).
     """
     check_prompts(input_ids, attention_mask)
     if max_new_tokens < 1:
@@ -136,11 +137,13 @@ def decode_loop(
     eos_t = torch.tensor(eos, dtype=torch.long, device=dev)
     next_pos = attention_mask.long().sum(-1)  # positions count real tokens only
     done = torch.zeros(B, dtype=torch.bool, device=dev)
+    finite = torch.ones((), dtype=torch.bool, device=dev)
     tokens, logps = [], []
     logits = prefill()
     for t in range(max_new_tokens):
         tok, lp = pick(logits)
         tok = torch.where(done, torch.full_like(tok, pad), tok)
+        finite &= torch.isfinite(lp).all()
         logps.append(torch.where(done, torch.zeros_like(lp), lp))
         tokens.append(tok)
         if eos:
@@ -151,6 +154,11 @@ def decode_loop(
             break
         logits = step(tok, next_pos, t)
         next_pos = next_pos + 1
+    if not bool(finite):
+        raise RuntimeError(
+            "rollout: the next-token logits hold NaN or Inf (the model's weights or its "
+            "forward diverged); lower the learning rate or check the checkpoint"
+        )
     out, lps = torch.stack(tokens, 1), torch.stack(logps, 1)
     if eos:  # trim to the first step at which every row was done
         is_eos = torch.isin(out, eos_t)

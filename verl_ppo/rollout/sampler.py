@@ -3,8 +3,7 @@ without CUDA graphs, tensor-parallel).
 
 Filtering follows HF's logits warpers (``transformers.generation.logits_process``:
 ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` with
-``min_tokens_to_keep=1``), applied in that order; the draw is one
-``torch.multinomial(probs, 1, generator=...)``. Same logits and same generator state in,
+``min_tokens_to_keep=1``), applied in that order; the draw is :func:`sample_next` (see there). Same logits and same generator state in,
 same tokens out, whichever path calls it (``tests/verl_ppo/test_rollout_paths.py``).
 
 Besides the token the sampler returns its log-probability under the temperature-scaled,
@@ -81,10 +80,34 @@ def _filter(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return x
 
 
+def fused_applies(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> bool:
+    """Whether :func:`sample_next` draws with the one-pass Triton sampler
+    (:func:`verl_comm.kernels.sampling.gumbel_sample`): CUDA logits, no top-k / top-p filter,
+    and the generator (if any) on the logits' device."""
+    if not logits.is_cuda or params.top_k != 0 or params.top_p != 1.0:
+        return False
+    if generator is None:
+        return True
+    gd = generator.device  # torch.Generator("cuda").device may carry no index
+    index = gd.index if gd.index is not None else torch.cuda.current_device()
+    return gd.type == "cuda" and index == logits.device.index
+
+
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the next token of every row.
+    """Pick the next token of every row, without a host sync.
+
+    Two implementations, chosen by :func:`fused_applies` (so every rollout path on one device
+    draws with the same one):
+
+    - CUDA logits without top-k / top-p: the one-pass Triton sampler (Gumbel-max over
+      ``logits / T`` with a Philox seed drawn from ``generator``; logits read once);
+    - otherwise torch: :func:`filter_logits`' chain, then ``torch.multinomial``'s own
+      one-sample algorithm, ``argmax(probs / Exp(1))`` (same draws as ``torch.multinomial``
+      for the same generator state) without its ``.item()`` validity check.
 
     Args:
         logits: ``(batch, vocab)`` next-token logits (any float dtype).
@@ -94,8 +117,18 @@ def sample_next(
 
     Returns:
         ``(tokens (batch,) int64, log_probs (batch,) float32)``; ``log_probs`` is
-        ``log_softmax(logits / temperature)[token]`` (unfiltered).
+        ``log_softmax(logits / temperature)[token]`` (unfiltered). Non-finite logits give
+        non-finite log-probs (:func:`verl_ppo.rollout.generate.decode_loop` raises on them).
     """
+    if fused_applies(logits, params, generator):
+        from verl_comm.kernels.sampling import gumbel_sample
+
+        seed = None
+        if params.do_sample:
+            seed = torch.randint(
+                0, 2**62, (1,), dtype=torch.int64, device=logits.device, generator=generator
+            )
+        return gumbel_sample(logits.contiguous(), params.temperature, seed)
     z = logits.float()
     if params.temperature != 1.0:
         z = z / params.temperature
@@ -104,9 +137,8 @@ def sample_next(
     else:
         probs = _filter(z, params.top_k, params.top_p).softmax(-1)
         if generator is not None and generator.device.type != probs.device.type:
-            tok = torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
-        else:
-            tok = torch.multinomial(probs, 1, generator=generator)
-        tok = tok.squeeze(-1)
+            probs = probs.cpu()
+        q = torch.empty_like(probs).exponential_(1, generator=generator)
+        tok = probs.div_(q).argmax(-1).to(logits.device)
     logp = z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return tok, logp

@@ -186,6 +186,15 @@ class TPCausalLM:
         )
         self.act = _activation(act)
         self.silu = act == "silu"
+        hd = d.head_dim
+        # single-token steps attend with the split-K decode kernel (kernels/decode_attention.py)
+        # on CUDA in half precision; fp32 and CPU keep sdpa (the exact reference path)
+        self.decode_kernel = (
+            self.device.type == "cuda"
+            and self.dtype in (torch.bfloat16, torch.float16)
+            and hd >= 16
+            and hd & (hd - 1) == 0
+        )
         if self.llama:
             theta = _rope_theta(config)
             hd = d.head_dim
@@ -223,15 +232,29 @@ class TPCausalLM:
         x = x.masked_fill(outside[..., None], 0.0)
         return self.tp.all_reduce(x)
 
-    def _attend(self, q, k, v, layer: int, cache: KVCache, mask, slots) -> torch.Tensor:
+    def _attend(self, q, k, v, layer: int, cache: KVCache, mask, slots, length) -> torch.Tensor:
         """Write ``k, v (B, nkv, T, D)`` at cache ``slots (T,)``, attend over every slot.
 
         Grouped-query heads without copying the cache: the ``G`` query heads of a KV head
-        become ``G * T`` query rows of that head (the mask is repeated to match).
+        become ``G * T`` query rows of that head (the mask is repeated to match). With
+        ``length`` (a ``(1,)`` tensor, single-token steps only) the decode kernel reads the
+        first ``length`` slots under ``mask (B, 1, 1, S)``.
         """
         cache.k[layer].index_copy_(2, slots, k)
         cache.v[layer].index_copy_(2, slots, v)
         b, _, t, hd = q.shape
+        if length is not None:
+            from verl_comm.kernels.decode_attention import decode_attention
+
+            out = decode_attention(
+                q[:, :, 0],
+                cache.k[layer],
+                cache.v[layer],
+                mask[:, 0, 0],
+                length,
+                1.0 / math.sqrt(hd),
+            )
+            return out.reshape(b, 1, self.nq * hd)
         g = self.nq // self.nkv
         qg = q.reshape(b, self.nkv, g * t, hd)
         if g > 1 and t > 1:
@@ -242,7 +265,7 @@ class TPCausalLM:
         # sdpa may return a non-contiguous layout (backend-dependent): reshape, not view
         return out.reshape(b, self.nq, t, hd).transpose(1, 2).reshape(b, t, self.nq * hd)
 
-    def _llama_layer(self, i: int, x, cos, sin, cache, mask, slots):
+    def _llama_layer(self, i: int, x, cos, sin, cache, mask, slots, length):
         w, n, hd = self.w, self.names, self.dims.head_dim
         b, t, _ = x.shape
         h = _rms_norm(x, w[n.param(i, "attn_norm")], self.eps)
@@ -255,7 +278,7 @@ class TPCausalLM:
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = _rope(q, k, c, s)
         o = self.tp.all_reduce(
-            F.linear(self._attend(q, k, v, i, cache, mask, slots), w[n.param(i, "o")])
+            F.linear(self._attend(q, k, v, i, cache, mask, slots, length), w[n.param(i, "o")])
         )
         if n.param(i, "o", "bias") in w:
             o = o + w[n.param(i, "o", "bias")]
@@ -269,7 +292,7 @@ class TPCausalLM:
             m = m + w[n.param(i, "down", "bias")]
         return x + m
 
-    def _gpt2_layer(self, i: int, x, cache, mask, slots):
+    def _gpt2_layer(self, i: int, x, cache, mask, slots, length):
         w, n, hd = self.w, self.names, self.dims.head_dim
         b, t, hidden = x.shape
         ln_1 = (w[n.param(i, "attn_norm")], w[n.param(i, "attn_norm", "bias")])
@@ -277,7 +300,7 @@ class TPCausalLM:
         qkv = torch.addmm(w[n.param(i, "qkv", "bias")], h.view(-1, hidden), w[n.param(i, "qkv")])
         q, k, v = qkv.view(b, t, 3 * self.nq * hd).split(self.nq * hd, dim=2)
         q, k, v = (z.view(b, t, self.nq, hd).transpose(1, 2) for z in (q, k, v))
-        a = self._attend(q, k, v, i, cache, mask, slots)
+        a = self._attend(q, k, v, i, cache, mask, slots, length)
         o = (
             self.tp.all_reduce(a.view(-1, a.shape[-1]) @ w[n.param(i, "o")])
             + w[n.param(i, "o", "bias")]
@@ -315,17 +338,20 @@ class TPCausalLM:
             ``(batch, vocab)`` logits in the weights' dtype, identical on every TP member.
         """
         x = self._embed(ids)
+        length = None
+        if ids.shape[1] == 1 and self.decode_kernel and mask.shape[2] == 1:
+            length = slots[-1:] + 1  # the slots a single-token step can see
         if self.llama:
             freqs = positions[..., None].float() * self.inv_freq
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
             for i in range(self.dims.num_layers):
-                x = self._llama_layer(i, x, cos, sin, cache, mask, slots)
+                x = self._llama_layer(i, x, cos, sin, cache, mask, slots, length)
             x = _rms_norm(x[:, -1], self.w[f"{self.names.norm()}weight"], self.eps)
         else:
             x = x + F.embedding(positions, self.w[f"{self.names.base}wpe.weight"])
             for i in range(self.dims.num_layers):
-                x = self._gpt2_layer(i, x, cache, mask, slots)
+                x = self._gpt2_layer(i, x, cache, mask, slots, length)
             hdim = x.shape[-1]
             x = F.layer_norm(
                 x[:, -1],

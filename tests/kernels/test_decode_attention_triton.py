@@ -1,0 +1,58 @@
+"""The split-K decode attention kernel (kernels/decode_attention.py) against
+``scaled_dot_product_attention`` with the cache's boolean mask, in fp32 (Triton's interpreter
+on CPU, the compiled kernel on a CUDA machine, with tl.dot in full fp32 there: see the
+tolerance)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from verl_comm.kernels.decode_attention import decode_attention
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(q, k, v, valid, scale):
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    mask = valid[:, None, None, :]
+    return F.scaled_dot_product_attention(q[:, :, None], kk, vv, attn_mask=mask, scale=scale)[
+        :, :, 0
+    ]
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_matches_sdpa_over_padded_and_unwritten_slots(groups: int) -> None:
+    """Left padding, a hole of masked slots, and slots past ``length`` holding garbage
+    (never written by a real step): the kernel must ignore all three."""
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, S, D, L = 3, 2, 40, 16, 29
+    q = torch.randn(B, Hkv * groups, D, generator=g).to(DEV)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(DEV)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(DEV)
+    valid = torch.zeros(B, S, dtype=torch.bool, device=DEV)
+    valid[:, :L] = True
+    valid[0, :5] = False  # left padding
+    valid[2, 3:9] = False
+    k[:, :, L:] = 1e4  # past length: would dominate the softmax if read
+    scale = 1 / math.sqrt(D)
+    # split 16 -> 3 splits, the last one empty (starts at 32 >= L)
+    length = torch.tensor([L], device=DEV)
+    out = decode_attention(q, k, v, valid, length, scale, split=16, block_n=16)
+    want = _reference(q, k, v, valid & (torch.arange(S, device=DEV) < L), scale)
+    # fp32 softmax-weighted sums of O(1) values over <= 40 slots: a few ulp each on CPU; on
+    # the GPU tl.dot rounds its fp32 inputs to tf32 (10-bit mantissa, 2**-11 relative)
+    tol = 1e-5 if DEV == "cpu" else 4e-3
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+
+
+def test_bad_shapes_are_refused() -> None:
+    q, k = torch.zeros(2, 3, 16, device=DEV), torch.zeros(2, 2, 8, 16, device=DEV)
+    valid, length = torch.ones(2, 8, dtype=torch.bool, device=DEV), torch.tensor([8], device=DEV)
+    with pytest.raises(ValueError, match="divisible"):
+        decode_attention(q, k, k, valid, length, 1.0)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        decode_attention(q[:, :2], k, k, valid, length, 1.0, split=24, block_n=16)
