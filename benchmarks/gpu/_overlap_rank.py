@@ -1,7 +1,8 @@
 """One launch of ``benchmarks/gpu/async_overlap.py``: a colocated job (1 process) or an
 async job (1 training + 1 rollout process), timed on the training rank.
 
-Run by ``torch.distributed.run`` (``--nproc_per_node`` 1 or 2); rank 0 appends one JSON line
+Run by :func:`verl_comm.distributed.launch.run_ranks` (1 or 2 ranks: ``RANK``,
+``WORLD_SIZE``, ``MASTER_PORT`` ... set); rank 0 appends one JSON line
 (per-step times, tokens, phases, numerics) to ``--raw``. The workload is the one of
 ``benchmarks/ppo_throughput.py`` (``benchmarks/_ppo_workload.py``: random-init model of a
 named shape, fixed-length prompts, :class:`FixedLengthTask`, :func:`run_verl`'s config), with

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from _ppo_workload import SHAPES  # noqa: E402
 
 from verl_comm.bench.env import commit, dirty, now_iso, versions  # noqa: E402
+from verl_comm.distributed.launch import run_ranks  # noqa: E402
 
 BENCH = "async_rollout"
 WORKLOADS = {"fixed": None, "spread": (16, 512)}
@@ -56,11 +56,9 @@ MODES = ("colocated", "async")
 
 
 def _launch(a, mode: str, workload: str, rnd: int, raw: Path, run_dir: str) -> int:
-    """One torchrun launch of ``_overlap_rank.py``; returns its exit status."""
+    """One launch of ``_overlap_rank.py``; returns its exit status."""
     spread = SMOKE_SPREAD if a.smoke and WORKLOADS[workload] else WORKLOADS[workload]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={2 if mode == 'async' else 1}"]
-    cmd += [str(Path(__file__).with_name("_overlap_rank.py")), "--mode", mode]
+    cmd = [sys.executable, str(Path(__file__).with_name("_overlap_rank.py")), "--mode", mode]
     cmd += ["--raw", str(raw), "--run-dir", run_dir, "--tag"]
     cmd += [json.dumps({"workload": workload, "round": rnd})]
     cmd += ["--warmup", str(a.warmup), "--steps", str(a.steps), "--shape", a.shape]
@@ -71,11 +69,11 @@ def _launch(a, mode: str, workload: str, rnd: int, raw: Path, run_dir: str) -> i
     cmd += ["--model-dir", a.model_dir] if a.model_dir else []
     cmd += ["--spread", *map(str, spread)] if spread else []
     print(f"# round {rnd} {mode} {workload}  {time.strftime('%H:%M:%S')}", flush=True)
-    try:
-        return subprocess.run(cmd, cwd=REPO, timeout=a.launch_timeout).returncode
-    except subprocess.TimeoutExpired:
-        print(f"# round {rnd} {mode} {workload}: over {a.launch_timeout} s, stopped")
-        return 124
+    # the project's launcher (as verl-ppo train): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* set
+    res = run_ranks(cmd, 2 if mode == "async" else 1, deadline_s=a.launch_timeout, name=mode)
+    if res.message:
+        print(f"# round {rnd} {mode} {workload}: {res.message}", flush=True)
+    return 0 if res.message is None else 1
 
 
 def _spread(xs: list[float]) -> list[float]:
