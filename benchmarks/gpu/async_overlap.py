@@ -131,7 +131,9 @@ def markdown(recs: list[dict]) -> str:
         f"{m['date'][:16]}. Shape {m['shape']}, {m['rollout_batch']} sequences x "
         f"{m['prompt_len']}-token prompts; {m['warmup']} warm-up + {m['steps']} timed steps per "
         "launch; async: 1 training + 1 rollout process, max_staleness 1, full wire, "
-        "gloo bridge (host-staged), decoupled loss.",
+        "gloo bridge (host-staged), decoupled loss; both modes: "
+        + ", ".join(f"`{k}={v}`" for k, v in m["overrides"].items())
+        + ". spread: EOS forced per prompt at a length uniform in the range.",
         "",
         "| workload | responses | rounds | colocated tok/s (min-max) | async tok/s (min-max) | "
         "async / colocated (min-max) | rollout wait s | sync pause s |",
@@ -139,9 +141,10 @@ def markdown(recs: list[dict]) -> str:
     ]
     for r in recs:
         c, s = r["colocated_tokens_per_s_spread"], r["async_tokens_per_s_spread"]
-        q = r["ratio_spread"]
+        q, lens = r["ratio_spread"], r["response_lengths"]
+        lens = f"{lens[0]}-{lens[1]}" if isinstance(lens, (list, tuple)) else lens
         lines.append(
-            f"| {r['workload']} | {r['response_lengths']} | {r['rounds']} | "
+            f"| {r['workload']} | {lens} | {r['rounds']} | "
             f"{r['colocated_tokens_per_s']:.0f} ({c[0]:.0f}-{c[1]:.0f}) | "
             f"{r['async_tokens_per_s']:.0f} ({s[0]:.0f}-{s[1]:.0f}) | "
             f"**{r['value']:.3f}** ({q[0]:.3f}-{q[1]:.3f}) | "
