@@ -99,7 +99,7 @@ def records(raw: list[dict], meta: dict) -> list[dict]:
                 "value": statistics.median(ratios),
                 "unit": "ratio",
                 "workload": w,
-                "response_lengths": WORKLOADS[w] or meta["response_len"],
+                "response_lengths": by[(rounds[0], "colocated")]["spread"] or meta["response_len"],
                 "rounds": len(rounds),
                 "ratio_per_round": ratios,
                 "ratio_spread": _spread(ratios),
