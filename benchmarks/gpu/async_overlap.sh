@@ -6,7 +6,7 @@
 # Usage on the GPU machine, from the repository root, .whl/ carried (wheels):
 #   source benchmarks/gpu/setup.sh && bash benchmarks/gpu/async_overlap.sh OUTDIR
 # Env: ROUNDS (3), WARMUP (1), STEPS (2), BUDGET_S (420: no round that would end past it),
-#      LAUNCH_TIMEOUT (150 s per launch), TOK_DIR (.whl/tok if there), RUN_ID (default a UTC stamp),
+#      LAUNCH_TIMEOUT (120 s per launch), TOK_DIR (.whl/tok if there), RUN_ID (default a UTC stamp),
 #      VERL_COMMIT / VERL_DIRTY (the records' commit, for a copy of the tree without .git).
 # Writes OUTDIR/async_rollout.jsonl (records: tokens_per_s_vs_colocated, one per workload),
 # OUTDIR/async_overlap.md and OUTDIR/async_overlap.log. Exit status non-zero if a launch failed.
@@ -30,6 +30,6 @@ MD=()
 [ -f "$TOK/tokenizer.json" ] && MD=(--model-dir "$TOK")
 python3 benchmarks/gpu/async_overlap.py --out "$OUT" "${MD[@]}" --rounds "${ROUNDS:-3}" \
   --warmup "${WARMUP:-1}" --steps "${STEPS:-2}" --budget-s "${BUDGET_S:-420}" \
-  --launch-timeout "${LAUNCH_TIMEOUT:-150}" 2>&1 \
+  --launch-timeout "${LAUNCH_TIMEOUT:-120}" 2>&1 \
   | grep --line-buffered -v "Passing \`generation_config\` together" | tee -a "$OUT/async_overlap.log"
 exit "${PIPESTATUS[0]}"
