@@ -2,6 +2,8 @@
 (:func:`verl_ppo.asyncrl.world.placement`), and the host staging of CUDA tensors on a gloo
 bridge (GPU only)."""
 
+import time
+
 import pytest
 import torch
 
@@ -34,6 +36,7 @@ def test_a_role_larger_than_the_gpus_is_refused_naming_the_keys(t, r):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_tensors_cross_a_gloo_group_through_host_memory():
+    from concurrent.futures import ThreadPoolExecutor
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -41,14 +44,17 @@ def test_cuda_tensors_cross_a_gloo_group_through_host_memory():
     from verl_ppo.reshard.group_sync import SyncStats, _Peer
 
     store = dist.HashStore()
-    group = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=10))
-    peer = _Peer(group, 0, cuda=True)
-    assert peer.stage and not peer.cuda
+    with ThreadPoolExecutor(2) as ex:  # two ranks of one gloo group, one thread each
+        groups = list(
+            ex.map(lambda r: dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30)), (0, 1))
+        )
+    sender, receiver = _Peer(groups[0], 0, cuda=True), _Peer(groups[1], 1, cuda=True)
+    assert sender.stage and not sender.cuda  # gloo work: waited with a timeout, not polled
     src = torch.arange(6, dtype=torch.bfloat16, device="cuda")
     dst = torch.zeros_like(src)
     st = SyncStats(0, "full")
-    rw = peer.irecv(dst, 0, st)
-    sw = peer.isend(src, 0, st)
-    peer.wait(sw, 1e18, 0, "send")
-    peer.wait(rw, 1e18, 0, "receive")
+    rw = receiver.irecv(dst, 0, st)
+    sw = sender.isend(src, 1, st)
+    receiver.wait(rw, time.monotonic() + 30, 0, "receive")
+    sender.wait(sw, time.monotonic() + 30, 1, "send")
     assert torch.equal(dst, src)  # bit-exact: a copy, no arithmetic
