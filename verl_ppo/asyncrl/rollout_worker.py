@@ -102,7 +102,9 @@ class RolloutWorker:
             )  # fmt: skip
             for t in self.served
         ]
-        self.channel = ExperienceChannel(world.experience, world.rank, self.device, world.timeout_s)
+        self.channel = ExperienceChannel(
+            world.experience, world.rank, world.wire_device, world.timeout_s
+        )
 
     def run(self) -> None:
         """Make every batch of the run's steps, then take the remaining weight versions.

@@ -13,6 +13,7 @@ Greedy evaluation stays on the training ranks' own policy (the local experience 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -55,7 +56,9 @@ class AsyncExperience:
     ) -> None:
         self.world, self.local, self.publisher, self.params = world, local, publisher, params
         self.max_staleness, self.device = max_staleness, device
-        self.channel = ExperienceChannel(world.experience, world.rank, device, world.timeout_s)
+        self.channel = ExperienceChannel(
+            world.experience, world.rank, world.wire_device, world.timeout_s
+        )
         self.server = world.server_of(world.rank)
         self.first: int | None = None
 
@@ -82,6 +85,7 @@ class AsyncExperience:
         with timer.phase("rollout_wait"):
             exp, version, rollout_stats = self.channel.recv(self.server, step, (entries, groups))
         m.update(rollout_stats)
+        exp = _to_device(exp, self.device)  # from host memory when the bridge is gloo
         staleness = step - version
         if not 0 <= staleness <= self.max_staleness or version < self.first:
             raise StalenessError(
@@ -113,6 +117,19 @@ class AsyncExperience:
             logging.getLogger(__name__).warning("closing the weight sync: %s", e)
         finally:
             self.local.close()
+
+
+def _to_device(exp: Experience, device: torch.device) -> Experience:
+    """``exp`` with its tensors on ``device`` (itself when they are there already)."""
+    if exp.input_ids.device == device:
+        return exp
+    moved = {
+        f.name: getattr(exp, f.name).to(device)
+        for f in dataclasses.fields(exp)
+        if isinstance(getattr(exp, f.name), torch.Tensor)
+    }
+    moved["responses"] = moved["input_ids"][:, exp.prompt_len :]  # a view, as received
+    return dataclasses.replace(exp, **moved)
 
 
 def async_experience(

@@ -10,7 +10,11 @@ rank = launcher rank), made from the same rendezvous store with their own prefix
 ``weights`` (used only by :class:`~verl_ppo.reshard.group_sync.SyncSender` /
 ``SyncReceiver``, whose receiver thread must own its group) and ``experience``
 (:mod:`verl_ppo.asyncrl.channel`). The transport is the backend's (gloo on the CPU, NCCL on
-GPUs). Rollout rank ``i`` makes the batches of training ranks ``i, i + R, i + 2R, ...``.
+GPUs), except when there are fewer GPUs than ``T + R`` processes: then training rank ``i``
+and rollout rank ``i`` share ``cuda:i`` (e.g. both on one GPU) and the bridge groups are
+gloo (NCCL refuses two ranks of one communicator on one GPU), their CUDA tensors staged
+through host memory (:func:`placement`); each role world keeps NCCL. Rollout rank ``i``
+makes the batches of training ranks ``i, i + R, i + 2R, ...``.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ class AsyncWorld:
         n_train, n_rollout: ``comm.nproc`` and ``rollout.n_ranks``.
         store: the rendezvous store shared by both worlds.
         weights, experience: the standalone bridge groups (``T + R`` ranks each).
-        cuda: NCCL transport (else gloo).
+        cuda: the ranks compute on GPUs (NCCL role worlds).
         timeout_s: ``comm.timeout_s``, the deadline of every wait.
+        bridge: the bridge groups' backend (``nccl``, or ``gloo``: on the CPU, or GPUs
+            shared by a training and a rollout rank, see :func:`placement`).
     """
 
     rank: int
@@ -49,6 +55,15 @@ class AsyncWorld:
     experience: Any
     cuda: bool
     timeout_s: float
+    bridge: str = "gloo"
+
+    @property
+    def wire_device(self) -> torch.device:
+        """Where tensors crossing the bridge live: this rank's GPU with an NCCL bridge, else
+        host memory (gloo)."""
+        if self.bridge == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     @property
     def is_rollout(self) -> bool:
@@ -99,6 +114,41 @@ def _standalone_group(backend: str, store: dist.Store, rank: int, size: int, tim
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+def placement(
+    backend: str, rank: int, local_rank: int, n_train: int, n_rollout: int, n_gpus: int
+) -> tuple[int | None, str]:
+    """This rank's GPU and the bridge groups' backend (pure; one node).
+
+    Args:
+        backend: the resolved ``comm.backend`` (``nccl`` or ``gloo``).
+        rank, local_rank: bridge rank and ``LOCAL_RANK``.
+        n_train, n_rollout: ``comm.nproc``, ``rollout.n_ranks``.
+        n_gpus: GPUs visible to this process.
+
+    Returns:
+        ``(gpu index or None on gloo, bridge backend)``: with ``n_gpus >= T + R`` every rank
+        has its own GPU (``LOCAL_RANK``) and the bridge is NCCL; with fewer, training rank
+        ``i`` and rollout rank ``i`` share GPU ``i`` and the bridge is gloo (staged through
+        host memory; NCCL refuses two ranks of one communicator on one GPU).
+
+    Raises:
+        ConfigError: a role has more ranks than there are GPUs (its own NCCL world would
+            put two ranks on one GPU).
+    """
+    if backend != "nccl":
+        return None, "gloo"
+    if n_gpus >= n_train + n_rollout:
+        return local_rank, "nccl"
+    if max(n_train, n_rollout) > n_gpus:
+        raise ConfigError(
+            f"rollout.mode=async on {n_gpus} GPU(s): comm.nproc={n_train} training and "
+            f"rollout.n_ranks={n_rollout} rollout ranks need one GPU per rank of each role "
+            f"(a training and a rollout rank may share one): lower comm.nproc / "
+            f"rollout.n_ranks to <= {n_gpus}, or use comm.backend=gloo"
+        )
+    return (rank if rank < n_train else rank - n_train), "gloo"
+
+
 def join_world(cfg: Any, env: dict[str, str] | None = None) -> AsyncWorld:
     """Initialise this process's role world (its default group) and the two bridge groups.
 
@@ -107,7 +157,8 @@ def join_world(cfg: Any, env: dict[str, str] | None = None) -> AsyncWorld:
     launcher and by torchrun).
 
     Raises:
-        ConfigError: ``WORLD_SIZE`` is not ``comm.nproc + rollout.n_ranks``.
+        ConfigError: ``WORLD_SIZE`` is not ``comm.nproc + rollout.n_ranks``, or too few
+            GPUs (:func:`placement`).
     """
     from verl_ppo.workers.distributed import resolve_backend
 
@@ -127,8 +178,10 @@ def join_world(cfg: Any, env: dict[str, str] | None = None) -> AsyncWorld:
             "(torchrun --nproc_per_node), or change comm.nproc / rollout.n_ranks"
         )
     backend, timeout = resolve_backend(cfg.comm.backend), cfg.comm.timeout_s
-    if backend == "nccl":
-        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+    n_gpus = torch.cuda.device_count() if backend == "nccl" else 0
+    gpu, bridge = placement(backend, rank, int(env.get("LOCAL_RANK", rank)), t, r, n_gpus)
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
     store = dist.TCPStore(
         env.get("MASTER_ADDR", "127.0.0.1"),
         int(env["MASTER_PORT"]),
@@ -146,8 +199,9 @@ def join_world(cfg: Any, env: dict[str, str] | None = None) -> AsyncWorld:
     )
     groups = [
         _standalone_group(
-            backend, dist.PrefixStore(f"verl_ppo/async/{n}/", store), rank, world, timeout
+            bridge, dist.PrefixStore(f"verl_ppo/async/{n}/", store), rank, world, timeout
         )
         for n in ("weights", "experience")
     ]
-    return AsyncWorld(rank, t, r, store, *groups, cuda=backend == "nccl", timeout_s=timeout)
+    cuda = backend == "nccl"
+    return AsyncWorld(rank, t, r, store, *groups, cuda=cuda, timeout_s=timeout, bridge=bridge)

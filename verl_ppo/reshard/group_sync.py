@@ -106,24 +106,58 @@ def registered(group: dist.ProcessGroup | None) -> bool:
     return True
 
 
+def is_gloo(group: Any) -> bool:
+    """Whether ``group`` (None = WORLD, a registered or a standalone group) runs on gloo."""
+    if group is None or registered(group):
+        return dist.get_backend(group) == "gloo"
+    return isinstance(group, dist.ProcessGroupGloo)
+
+
+class _HostStaged:
+    """A gloo receive into host memory standing for one into a CUDA tensor: ``wait`` copies
+    the host buffer into the tensor once the receive completed."""
+
+    def __init__(self, work: dist.Work, host: torch.Tensor, dst: torch.Tensor) -> None:
+        self.work, self.host, self.dst = work, host, dst
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        done = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        self.dst.copy_(self.host)
+        return done
+
+
 class _Peer:
-    """Point-to-point calls on the sync group with byte counting and deadlines."""
+    """Point-to-point calls on the sync group with byte counting and deadlines. CUDA
+    tensors on a gloo group (a training and a rollout rank sharing a GPU,
+    :func:`verl_ppo.asyncrl.world.placement`) are staged through host memory."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, cuda: bool) -> None:
-        self.group, self.rank, self.cuda = group, rank, cuda
+        self.group, self.rank = group, rank
         self.standalone = not registered(group)
+        self.stage = cuda and is_gloo(group)
+        self.cuda = cuda and not self.stage  # NCCL work: polled
 
     def _glob(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
     def isend(self, t: torch.Tensor, dst: int, stats: SyncStats) -> dist.Work:
         stats.bytes_sent += t.numel() * t.element_size()
+        t = t.cpu() if self.stage else t  # gloo's work keeps the host copy alive
         if self.standalone:
             return self.group.send([t], dst, 0)
         return dist.isend(t, self._glob(dst), group=self.group)
 
     def irecv(self, t: torch.Tensor, src: int, stats: SyncStats) -> dist.Work:
         stats.bytes_received += t.numel() * t.element_size()
+        if self.stage:
+            host = torch.empty(t.shape, dtype=t.dtype)
+            return _HostStaged(self._irecv(host, src), host, t)
+        return self._irecv(t, src)
+
+    def _irecv(self, t: torch.Tensor, src: int) -> dist.Work:
         if self.standalone:
             return self.group.recv([t], src, 0)
         return dist.irecv(t, self._glob(src), group=self.group)
