@@ -136,7 +136,10 @@ def floor_record(s: Setup, world: int, base: dict[str, Any]) -> dict[str, Any] |
     step = model_s + gen_s
     tokens = s.rollout_batch * (s.prompt_len + s.response_len)
     return {
-        **{k: base.get(k) for k in ("benchmark", "device", "versions", "date", "commit", "run_id")},
+        **{
+            k: base.get(k)
+            for k in ("benchmark", "device", "versions", "date", "commit", "dirty", "run_id")
+        },
         "system": "floor",
         "variant": "model shape at 100% of peak",
         "world_size": world,
@@ -151,12 +154,23 @@ def floor_record(s: Setup, world: int, base: dict[str, Any]) -> dict[str, Any] |
     }
 
 
+def _same(r: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in r.items() if k != "date"}, sort_keys=True)
+
+
 def append_records(out: Path, recs: list[dict[str, Any]]) -> None:
-    """Append JSON lines to ``out/ppo_throughput.jsonl``."""
+    """Append JSON lines to ``out/ppo_throughput.jsonl``, leaving out a record equal to one
+    already there apart from its ``date`` (the floor of a run, written by each of its
+    invocations with ``--variant``, is the same record each time)."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{BENCH}.jsonl", "a") as f:
+    path = out / f"{BENCH}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    seen = {_same(json.loads(x)) for x in lines if x.strip()}
+    with open(path, "a") as f:
         for r in recs:
-            f.write(json.dumps(r) + "\n")
+            if _same(r) not in seen:
+                seen.add(_same(r))
+                f.write(json.dumps(r) + "\n")
 
 
 def _variant(overrides: dict[str, Any]) -> str:

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _ppo_workload (model
 
 from _ppo_workload import SHAPES  # noqa: E402
 
+from verl_comm.bench.env import dirty  # noqa: E402
 from verl_ppo.roles.common import sequence_log_probs  # noqa: E402
 from verl_ppo.rollout.cuda_graph import StaticCacheDecoder  # noqa: E402
 from verl_ppo.rollout.generate import generate  # noqa: E402
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit,
+        "dirty": dirty(REPO),
         "model": {k: getattr(a, k) for k in QWEN05B} | {"model_type": a.model_type},
         "dtype": a.dtype,
         "batch": B,

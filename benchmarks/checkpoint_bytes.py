@@ -144,7 +144,7 @@ def write(recs: list[dict], out: Path, stem: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI; returns 0 (the numbers are a measurement, there is no target)."""
-    from verl_comm.bench.env import commit, now_iso, versions
+    from verl_comm.bench.env import commit, dirty, now_iso, versions
     from verl_ppo.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "date": now_iso(),
         "commit": commit(),
+        "dirty": dirty(REPO),
         "run_id": uuid.uuid4().hex[:12],
         "checkpoint": m["checkpoint"],
     }

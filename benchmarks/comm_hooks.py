@@ -328,7 +328,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, rounds, extra, cuda):
-    from verl_comm.bench.env import commit, now_iso, versions
+    from verl_comm.bench.env import commit, dirty, now_iso, versions
 
     stacked = torch.stack(all_t).cpu()  # (world, methods, rounds)
     if cuda:
@@ -343,6 +343,7 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
         "versions": versions(),
         "date": now_iso(),
         "commit": commit(),
+        "dirty": dirty(REPO),
         "world_size": args.world,
         "api": "public",
         "workload": f"{args.layers}x Linear({args.dim},{args.dim}), input {args.batch}x{args.dim}, "

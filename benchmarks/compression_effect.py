@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         a.steps, a.seeds = 2, [0]
     import torch
 
-    from verl_comm.bench.env import commit, now_iso, versions
+    from verl_comm.bench.env import commit, dirty, now_iso, versions
 
     meta = {
         "benchmark": "compression_effect",
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "date": now_iso(),
         "commit": commit(),
+        "dirty": dirty(REPO),
         "model": "tiny" if a.smoke else "SmolLM2-135M-Instruct",
         "task": "configs/long_grpo.yaml (basic_arithmetic, 1 digit, GRPO n=4)",
         "steps": a.steps,

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark module
 import ppo_throughput as pt  # noqa: E402
+from _ppo_env import _dirty  # noqa: E402
 
 BENCH = "profile_ppo"
 HEADLINE = (
@@ -98,6 +99,7 @@ def _records(name: str, doc: dict, s: pt.Setup, world: int, overrides: dict) -> 
         "versions": pt._versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": pt._commit(),
+        "dirty": _dirty(),
         "shape": s.shape,
         "prompt_len": s.prompt_len,
         "response_len": s.response_len,

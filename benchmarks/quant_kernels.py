@@ -118,8 +118,10 @@ def all_same(got, want) -> bool:
 
 
 def environment(device: torch.device, commit: str | None) -> dict:
-    """Device name, versions, date and commit for the records."""
+    """Device name, versions, date, commit and dirty flag for the records."""
     import triton
+
+    from verl_comm.bench.env import dirty
 
     if commit is None:
         try:
@@ -145,6 +147,7 @@ def environment(device: torch.device, commit: str | None) -> dict:
         "versions": versions,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit or "unknown",
+        "dirty": dirty(),
     }
 
 

@@ -44,7 +44,7 @@ def write(steps: list[dict], evals: list[dict], out: Path, stem: str, title: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from verl_comm.bench.env import commit, now_iso, versions
+    from verl_comm.bench.env import commit, dirty, now_iso, versions
 
     meta = {
         "benchmark": "reward_curve",
@@ -52,6 +52,7 @@ def write(steps: list[dict], evals: list[dict], out: Path, stem: str, title: str
         "versions": versions(),
         "date": now_iso(),
         "commit": commit(),
+        "dirty": dirty(REPO),
         "run": title,
     }
     out.mkdir(parents=True, exist_ok=True)

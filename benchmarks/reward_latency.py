@@ -195,6 +195,7 @@ def records(a: argparse.Namespace, steps: dict[str, list[dict]], load: list) -> 
     import transformers
 
     import verl_ppo
+    from verl_comm.bench.env import dirty
 
     common = {
         "benchmark": BENCH,
@@ -208,6 +209,7 @@ def records(a: argparse.Namespace, steps: dict[str, list[dict]], load: list) -> 
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
+        "dirty": dirty(REPO),
         "run_id": uuid.uuid4().hex[:12],
         "policy": "tiny random Llama" if "tiny" in a.config else "SmolLM2-135M-Instruct",
         "config": a.config,

@@ -88,7 +88,7 @@ def _summary_line(log: Path | None) -> str | None:
 
 def collect(a: argparse.Namespace) -> list[dict]:
     """Records of one method's job (see the module docstring)."""
-    from verl_comm.bench.env import commit, now_iso, versions
+    from verl_comm.bench.env import commit, dirty, now_iso, versions
 
     s = summarize(read_rows(Path(a.run_dir)))
     base = {
@@ -109,6 +109,7 @@ def collect(a: argparse.Namespace) -> list[dict]:
         "versions": versions(),
         "date": now_iso(),
         "commit": commit(),
+        "dirty": dirty(REPO),
         "smoke": a.smoke,
         "load_1m_start": a.load_1m_start,
         "load_1m_end": os.getloadavg()[0],

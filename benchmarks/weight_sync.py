@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verl_comm.bench.env import commit, now_iso, versions  # noqa: E402
+from verl_comm.bench.env import commit, dirty, now_iso, versions  # noqa: E402
 from verl_comm.bench.report import read_jsonl, write_jsonl  # noqa: E402
 from verl_comm.distributed import DistContext, init_distributed  # noqa: E402
 from verl_comm.distributed.launch import spawn  # noqa: E402
@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "date": now_iso(),
         "commit": commit(),
+        "dirty": dirty(),
         "run_id": x.run_id or uuid.uuid4().hex[:12],
         "transport": x.transport,
         "world_size": 4,
