@@ -7,6 +7,8 @@
 # The loopback device is never touched (other jobs on the machine rely on its speed).
 #
 # Usage (root, iproute2):  bash benchmarks/slow_link_hooks.sh OUTDIR [RATE_MBIT]   # 1000
+# WORLD=4 (even; default 2): WORLD/2 ranks per namespace ("host"); ranks of one host talk over
+# that namespace's loopback, only the ring's cross-host hops cross the shaped link.
 # TRACE=1 METHODS=torch_fp16,ours_int8@1,ours_int8 [TRACE_ARGS="--rounds 5"]: per-bucket timelines
 # (benchmarks/slow_link_trace.py)
 # on stdout instead of the benchmark.
@@ -18,13 +20,15 @@
 set -u -o pipefail
 OUT=${1:?usage: bash benchmarks/slow_link_hooks.sh OUTDIR [RATE_MBIT]}
 MBIT=${2:-1000}
+WORLD=${WORLD:-2}
+[ $((WORLD % 2)) = 0 ] && [ "$WORLD" -ge 2 ] || { echo "WORLD=$WORLD: give an even number >= 2" >&2; exit 1; }
 PY=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 source benchmarks/_netns.sh
 netns_up vch 10.77.0 "$MBIT" || exit 1
 RUN_ID=${RUN_ID:-$($PY -c "import uuid; print(uuid.uuid4().hex[:12])")}
 METHODS=${METHODS:-compute_only,none,torch_fp16,ours_bf16,ours_int8,ours_lowrank_int8_r8,ours_auto}
-ARGS=(--cpu --transport shaped_veth --link-mbit "$MBIT" --run-id "$RUN_ID" --layers 6 --dim 2048
+ARGS=(--cpu --transport shaped_veth --link-mbit "$MBIT" --run-id "$RUN_ID" --world "$WORLD" --layers 6 --dim 2048
       --batch 64 --loss-scale 1024 --warmup 4 --rounds "${ROUNDS:-9}" --pg-timeout-s "${PG_TIMEOUT_S:-120}" --out "$OUT")
 if [ "${TRACE:-0}" = 1 ]; then  # per-bucket timeline instead (benchmarks/slow_link_trace.py)
   for r in 0 1; do
@@ -37,10 +41,10 @@ if [ "${TRACE:-0}" = 1 ]; then  # per-bucket timeline instead (benchmarks/slow_l
   exit 0
 fi
 attempt() {  # $1 = methods; returns the worst rank exit code
-  local pids=() rc=0
-  for r in 0 1; do
-    ns=$NS0 dev=$V0; [ $r = 1 ] && ns=$NS1 dev=$V1
-    ip netns exec "$ns" env RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=$ADDR0 \
+  local pids=() rc=0 half=$((WORLD / 2))
+  for r in $(seq 0 $((WORLD - 1))); do
+    ns=$NS0 dev=$V0; [ "$r" -ge $half ] && ns=$NS1 dev=$V1
+    ip netns exec "$ns" env RANK=$r LOCAL_RANK=$((r % half)) WORLD_SIZE=$WORLD MASTER_ADDR=$ADDR0 \
       MASTER_PORT=29561 GLOO_SOCKET_IFNAME="$dev" OMP_NUM_THREADS=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" \
       timeout "${ATTEMPT_S:-900}" $PY benchmarks/comm_hooks.py "${ARGS[@]}" --methods "$1" \
       2> >(tee "$LOGDIR/rank$r.err" >&2) &
@@ -56,10 +60,10 @@ case "$METHODS" in *torch_powersgd*) ;; *) exit 1 ;; esac
 took=$(( $(date +%s) - start ))
 why=$(cat "$LOGDIR"/rank*.err | grep -m1 -E "enforce fail|Timed out|timed out|Error" | cut -c1-300)
 echo "first attempt failed after ${took} s ($why); recording torch_powersgd as failed, rerunning without it" >&2
-$PY - "$OUT" "$RUN_ID" "$took" "$MBIT" "$why" <<'PYEOF'
+$PY - "$OUT" "$RUN_ID" "$took" "$MBIT" "$why" "$WORLD" <<'PYEOF'
 import json, sys
 out, run_id, took, mbit, why = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
-rec = {"benchmark": "comm_hooks", "run_id": run_id, "transport": "shaped_veth", "world_size": 2,
+rec = {"benchmark": "comm_hooks", "run_id": run_id, "transport": "shaped_veth", "world_size": int(sys.argv[6]),
        "link_mbit": mbit, "hook": "torch_powersgd_r8", "metric": "step_time", "rank": "max",
        "unit": "ms", "value": None, "numerics_ok": False,
        "status": f"failed on gloo after {took} s ({why.strip()}); run repeated without it"}

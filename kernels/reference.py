@@ -202,11 +202,17 @@ def quantize_ef_ref(
     codes, scales = empty_codes_scales(x, block, pad_to)
     n_pad = codes.numel()
     res = residual.view(-1)
+    flat = x.reshape(-1)
+    # fp32 arithmetic straight from the inputs when type promotion gives it (one pass)
+    fused = torch.float32 in (x.dtype, residual.dtype)
     for lo, hi in _chunks(n_pad, block):
-        v = _padded_fp32(x, lo, hi)
         end = min(hi, n)
-        if end > lo:
-            v[: end - lo] += res[lo:end]
+        if fused and end == hi:
+            v = torch.add(flat[lo:end], res[lo:end])
+        else:
+            v = _padded_fp32(x, lo, hi)
+            if end > lo:
+                v[: end - lo] += res[lo:end]
         v = v.view(-1, block)
         c, scale, _ = _quantize_blocks(v)
         codes[lo:hi] = c.view(-1)

@@ -11,6 +11,7 @@ Run: .venv/bin/python -m pytest -q tests/kernels/test_quant_triton.py
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -112,9 +113,14 @@ def test_stochastic_matches_reference_draws(dtype: torch.dtype, seed: int, offse
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", (64, 128))
 @pytest.mark.parametrize("residual_fp32", (False, True))
+@pytest.mark.parametrize("chunk_blocks", (None, 16))  # 16: full chunks take the fused add
 def test_quantize_ef_bit_exact_and_identity(
-    dtype: torch.dtype, block: int, residual_fp32: bool
+    dtype: torch.dtype, block: int, residual_fp32: bool, chunk_blocks, monkeypatch
 ) -> None:
+    if chunk_blocks is not None:
+        monkeypatch.setattr(
+            sys.modules["verl_comm.kernels.reference"], "CHUNK_BLOCKS", chunk_blocks
+        )
     n = 9_001
     x = _data(n, dtype, seed=5, specials=False)
     rdt = torch.float32 if residual_fp32 else dtype

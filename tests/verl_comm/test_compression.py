@@ -514,3 +514,32 @@ def test_describe_choices_names_each_bucket_path_and_the_link():
     line = describe_choices({1: SimpleNamespace(decision=d), 0: SimpleNamespace(decision=None)})
     assert line.startswith("bucket 1 int8 (allreduce 800, int8 260)"), line
     assert "link 1000 Mbit/s, 100 us" in line
+
+
+@pytest.mark.parametrize("world,n", [(2, 20_000), (3, 30_001)])
+@pytest.mark.parametrize("residual_dtype", [None, torch.bfloat16, torch.float32])
+def test_int8_host_slices_bit_identical_to_one_pass(monkeypatch, world, n, residual_dtype):
+    """CPU slices and bounded kernel calls (issue 28: host memory) change neither the
+    result, nor the residual, nor the bytes: blocks keep their positions (bit equality is
+    the property: the same fp32 operations on the same blocks)."""
+    import sys
+
+    mod = sys.modules["verl_comm.compression.int8_allreduce"]
+    monkeypatch.setattr(mod, "HOST_MIN_SLICE_BYTES", 1024)  # HOST_SLICES slices at this n
+    monkeypatch.setattr(mod, "HOST_MIN_PASS_NUMEL", 256)  # several calls per slice
+    g = torch.Generator().manual_seed(n)
+    xs = [torch.randn(n, generator=g) * (1 + r) for r in range(world)]
+    res0 = [None if residual_dtype is None else (torch.randn(n, generator=g) * 0.1).to(
+        residual_dtype) for _ in range(world)]  # fmt: skip
+
+    def run(fn):
+        rs = [None if r is None else r.clone() for r in res0]
+        return run_ranks(world, lambda r, c: (fn(xs[r], c, rs[r]), rs[r]))
+
+    whole = run(lambda x, c, r: mod._reduce_whole(x, c, 64, r, True, torch.empty(n)))
+    sliced = run(lambda x, c, r: int8_allreduce(x, c, block=64, residual=r))
+    for (a, ra), (b, rb) in zip(whole, sliced):
+        assert torch.equal(a.out, b.out) and a.wire_bytes == b.wire_bytes
+        assert bool(a.finite) and bool(b.finite)
+        assert (ra is None and rb is None) or torch.equal(ra, rb)
+    assert sliced[0][0].wire_bytes == int8_allreduce_wire_bytes(n, world, 64)
