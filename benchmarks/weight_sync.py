@@ -10,7 +10,11 @@ Protocol: per round, one optimizer step, then both wires sync the same new weigh
 order that alternates per round (interleaved); each wire keeps its own receiver copy (delta
 against what that receiver holds). While a sync is in flight the rollout ranks generate
 ``--gen-tokens`` greedy tokens with their live (old) weights through the TP model, then
-``switch()``. Numerics first: every sync's checksum must match on the receiver (the rollout
+``switch()``. The rollout ranks start generating when the round starts, as they start batch
+``k + 1`` when the trainers start step ``k``: the sync runs after the optimizer step, so the
+generation must outlast the step plus the transfer for the switch to wait only for the
+last bucket (64 tokens, ~1.3 s on a shared 2-core CPU, against a ~0.5 s step and the full
+wire's 0.57 s at 200 Mbit/s; with 32 a loaded machine made the switch wait for the wire). Numerics first: every sync's checksum must match on the receiver (the rollout
 shard is bit-identical to the trainer's weights cast to bf16) and the bytes handed to
 ``isend`` must equal those handed to ``irecv``; a record says ``numerics_ok``. Round 0 is the
 first sync (full on both wires) and is recorded but left out of the summaries.
@@ -157,6 +161,7 @@ def _records(per_rank: list[list[dict]], a: dict, meta: dict) -> list[dict]:
             "pause_s": pause,
             "gen_s": max(o["gen_s"] for o in ro),
             "train_s": tr[0]["train_s"],
+            "encode_s": max(o["encode_s"] for o in tr),  # sender start(): cast, count, encode
             "changed_frac": sum(o["changed"] for o in tr) / sum(o["elems"] for o in tr),
             "numerics_ok": sent == recv and all(o["verified"] for o in ro),
         }
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "intermediate": hidden * 11 // 4,
         "layers": x.layers or (2 if x.smoke else 4),
         "vocab": x.vocab or (512 if x.smoke else 8192),
-        "gen_tokens": x.gen_tokens if x.gen_tokens is not None else (4 if x.smoke else 32),
+        "gen_tokens": x.gen_tokens if x.gen_tokens is not None else (4 if x.smoke else 64),
         "bucket_elems": int(x.bucket_mb * (1 << 20)) // 2,
         "link_mbit": x.link_mbit,
         "timeout_s": x.timeout_s,

@@ -176,6 +176,15 @@ def wait_work(
         raise error(f"{what} {kind}: {e}") from e
 
 
+def _counts(mask: torch.Tensor, buckets: list[tuple[int, int]]) -> list[int]:
+    """True elements of ``mask`` per bucket (equal buckets, the last maybe shorter): one
+    reduction and one device-to-host copy, not one per bucket."""
+    size = buckets[0][1] - buckets[0][0]
+    whole = mask.numel() // size
+    parts = [mask[: whole * size].view(whole, size).sum(1), mask[whole * size :].sum().view(1)]
+    return torch.cat(parts).tolist()[: len(buckets)]
+
+
 def _check_wire(wire: str) -> None:
     if wire not in WIRES:
         raise ValueError(f"sync wire {wire!r} is not one of {WIRES}")
@@ -280,8 +289,9 @@ class SyncSender:
         ref = self._ref.get(i) if self.wire == "delta" else None
         mask = None if ref is None else changed_mask(ref, new)
         header, todo = [*checksum(new)], []
-        for a, b in s.buckets(self.plan.bucket_elems):
-            changed = b - a if mask is None else int(mask[a:b].sum())
+        buckets = s.buckets(self.plan.bucket_elems)
+        counts = [b - a for a, b in buckets] if mask is None else _counts(mask, buckets)
+        for (a, b), changed in zip(buckets, counts):
             kind = FULL if mask is None else choose_encoding(b - a, changed, new.element_size())
             header += [kind, changed]
             stats.changed += changed
