@@ -16,6 +16,7 @@ from verl_ppo.reshard.delta import (
     _unpack_bits,
     checksum,
     choose_encoding,
+    count_true,
     decode_,
     encode,
     encoded_nbytes,
@@ -177,3 +178,16 @@ def test_bitmask_packing_matches_numpy(n):
     assert np.array_equal(
         _pack_bits(mask[1:]).numpy(), np.packbits(mask[1:].numpy(), bitorder="little")
     )
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 1001, 1 << 16])
+def test_count_true_matches_sum(n):
+    g = torch.Generator().manual_seed(n)
+    mask = torch.rand(n, generator=g) < 0.3
+    assert int(count_true(mask)) == int(mask.sum())
+    assert int(count_true(mask[3:])) == int(mask[3:].sum())  # misaligned: copied first
+    if n % 16 == 0:
+        assert count_true(mask, 2).tolist() == [int(h.sum()) for h in mask.chunk(2)]
+    assert int(count_true(torch.ones(n, dtype=torch.bool))) == n  # 8 per word: no carry
+    with pytest.raises(ValueError, match="64-bit words"):
+        count_true(torch.zeros(24, dtype=torch.bool), 2)

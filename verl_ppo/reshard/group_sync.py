@@ -41,6 +41,7 @@ from verl_ppo.reshard.delta import (
     changed_mask,
     checksum,
     choose_encoding,
+    count_true,
     decode_,
     encode,
     encoded_nbytes,
@@ -179,10 +180,13 @@ def wait_work(
 def _counts(mask: torch.Tensor, buckets: list[tuple[int, int]]) -> list[int]:
     """True elements of ``mask`` per bucket (equal buckets, the last maybe shorter): one
     reduction and one device-to-host copy, not one per bucket."""
+    if not buckets:
+        return []
     size = buckets[0][1] - buckets[0][0]
-    whole = mask.numel() // size
-    parts = [mask[: whole * size].view(whole, size).sum(1), mask[whole * size :].sum().view(1)]
-    return torch.cat(parts).tolist()[: len(buckets)]
+    whole = mask.numel() // size if size % 8 == 0 else 0  # buckets of whole 64-bit words
+    parts = [count_true(mask[: whole * size], whole)] if whole else []
+    parts += [count_true(mask[a:b]) for a, b in buckets[whole:]]
+    return torch.cat(parts).tolist()
 
 
 def _check_wire(wire: str) -> None:
@@ -313,10 +317,11 @@ class SyncSender:
     def start(self, params: Mapping[str, torch.Tensor]) -> SyncStats:
         """Post this rank's streams for the current weights; returns without waiting.
 
-        Every stream's header goes out first (checksum and per-bucket sizes, from one
-        compare over the stream), then the buckets, encoded one at a time and posted
-        round-robin over the streams, so the wire carries bucket ``k`` while bucket
-        ``k + 1`` is encoded instead of waiting for a whole stream's encoding.
+        Per stream its header (checksum and per-bucket sizes, from one compare over the
+        stream) and its first bucket go out before the next stream is cast, then the other
+        buckets, encoded one at a time round-robin over the streams, so the wire carries
+        bucket ``k`` while bucket ``k + 1`` is encoded instead of waiting for whole
+        streams' encodings.
 
         Args:
             params: full (per-stage) training weights by HF name, any float dtype.
@@ -331,14 +336,22 @@ class SyncSender:
         self.finish()
         stats = SyncStats(self.step, self.wire, started_at=time.time())
         t0 = time.perf_counter()
-        news = [self._flat(s, params) for s in self.streams]
-        todos = [self._header(i, s, n, stats) for i, (s, n) in enumerate(zip(self.streams, news))]
-        for k in range(max(map(len, todos), default=0)):
-            for i, (s, new, todo) in enumerate(zip(self.streams, news, todos)):
-                if k < len(todo):
-                    t = self._payload(i, new, *todo[k])
-                    phase = f"bucket send {k + 1}/{len(todo)}"
-                    self._pending.append((self.peer.isend(t, s.dst, stats), s.dst, phase, t))
+        news, todos = [], []
+
+        def post(i: int, k: int) -> None:
+            s, todo = self.streams[i], todos[i]
+            if k < len(todo):
+                t = self._payload(i, news[i], *todo[k])
+                phase = f"bucket send {k + 1}/{len(todo)}"
+                self._pending.append((self.peer.isend(t, s.dst, stats), s.dst, phase, t))
+
+        for i, s in enumerate(self.streams):  # the wire starts after one stream's work
+            news.append(self._flat(s, params))
+            todos.append(self._header(i, s, news[i], stats))
+            post(i, 0)
+        for k in range(1, max(map(len, todos), default=0)):
+            for i in range(len(self.streams)):
+                post(i, k)
         if self.wire == "delta":
             self._ref = dict(enumerate(news))
         stats.elems = sum(s.numel for s in self.streams)
