@@ -20,7 +20,7 @@ shard is bit-identical to the trainer's weights cast to bf16) and the bytes hand
 first sync (full on both wires) and is recorded but left out of the summaries.
 
 Per round and wire: ``wall_s`` = last receiver done - first sender start (one host, one
-clock), bytes over the link, the changed fraction, transfer and pause times. Metrics
+clock; the two training ranks end their step together, as DP replicas do), bytes over the link, the changed fraction, transfer and pause times. Metrics
 (``benchmarks/results/async_rollout.jsonl``): ``delta_bytes_vs_full`` (same round),
 ``sync_time_vs_line_rate`` (``wall_s`` over the bytes' time at ``--link-mbit``; only when a
 link rate is given) and ``pause_vs_transfer`` (generation paused in ``switch()`` over the
@@ -98,6 +98,7 @@ def rank_main(rank: int, world: int, a: dict) -> list[dict]:
     ctx = DistContext.from_default_group(a["timeout_s"])
     sync_group = ctx.new_group(list(range(world)))
     tp_pg = ctx.new_group(ROLL)
+    dp_pg = ctx.new_group(TRAIN)  # the replicas' gradient all-reduce point
     cfg = _config(a)
     plan = plan_group_sync(
         cfg, ParallelLayout(dp=2), ParallelLayout(tp=2), TRAIN, ROLL, a["bucket_elems"]
@@ -122,6 +123,10 @@ def rank_main(rank: int, world: int, a: dict) -> list[dict]:
             if rank in TRAIN:
                 if train_s is None:
                     train_s = _train_step(model, opt, a, rnd) if rnd else 0.0
+                    # DP replicas leave the step together (DeepSpeed's gradient all-reduce
+                    # waits for the slowest); these two share no gradients, so without it
+                    # the sync clock started at the first one's end, up to ~0.1 s early
+                    dist.barrier(group=dp_pg)
                 params = {n: p for n, p in model.named_parameters()}
                 st = ends[w].start(params)
                 ends[w].finish()
