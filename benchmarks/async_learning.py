@@ -9,8 +9,16 @@ each training rank sent per sync (first full, then delta) and the wall time; and
 ``async_learning.md`` generated from this run's records. Target (issue 31): every seed's
 gain >= 0.3 (the colocated default job gains 0.42-0.50, ``default_job.md``).
 
+``--equality`` runs issue 31's equality check instead: ``configs/tiny.yaml`` for 5 steps
+(:data:`EQUAL_STEPS`) colocated on 2 ranks, then in async mode at ``max_staleness: 0`` on
+2 training + 2 rollout ranks (:data:`ON_POLICY`), both exporting actor and critic; one
+``final_weight_rel_diff`` record: per final weight ``max|async - colocated| / max|colocated|``,
+the largest over all weights (target <= 1e-6), with the largest absolute difference, the
+count of bit-identical weights and whether the per-step rewards were equal.
+
     python benchmarks/async_learning.py --seeds 0 1 2     # ~3 x 8 min on a 2-core CPU
-    python benchmarks/async_learning.py --smoke --out /tmp/x  # CI: tiny model, 1 seed x 2 steps
+    python benchmarks/async_learning.py --equality        # ~3 min: 2 tiny runs of 5 steps
+    python benchmarks/async_learning.py --smoke --out /tmp/x  # CI: both, tiny, 2 steps each
 """
 
 from __future__ import annotations
@@ -37,6 +45,19 @@ ASYNC = [
     "rollout.sync_wire=delta",
     "rollout.dtype=bfloat16",
     "algorithm.policy_loss=decoupled",
+]
+EQUAL_TOL = 1e-6
+EQUAL_STEPS = 5
+EQUAL_CONFIG = "configs/tiny.yaml"
+EQUAL_BASE = ["data.eval_size=0", "train.export_critic=true"]
+# the batches generated with the weights of the step that trains on them, in fp32 (what
+# the colocated mode generates with on the CPU), sent whole: the same computation
+ON_POLICY = [
+    "rollout.mode=async",
+    "rollout.n_ranks=2",
+    "rollout.max_staleness=0",
+    "rollout.dtype=float32",
+    "rollout.sync_wire=full",
 ]
 
 
@@ -73,6 +94,86 @@ def record(seed: int, res: dict, meta: dict, bound: int) -> dict:
     }
 
 
+def _final_weights(run_dir: Path) -> dict:
+    """The exported actor and critic weights of a finished run, by ``role/name``."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for role in ("actor", "critic"):
+        for k, v in load_file(str(run_dir / "hf" / role / "model.safetensors")).items():
+            out[f"{role}/{k}"] = v.float()
+    return out
+
+
+def equality(runs: Path, steps: int, meta: dict) -> dict:
+    """Run the colocated and the staleness-0 async job (module docstring); their
+    ``final_weight_rel_diff`` record.
+
+    Raises:
+        RuntimeError: a job failed; ValueError: the two runs export other weights.
+    """
+    import torch
+
+    res, weights = {}, {}
+    for mode, extra in (("colocated", []), ("async", ON_POLICY)):
+        run = runs / f"equality_{mode}"
+        args = [*EQUAL_BASE, f"train.num_steps={steps}", *extra]
+        res[mode] = finish_seed(start_seed(EQUAL_CONFIG, 0, run, args))
+        weights[mode] = _final_weights(run)
+    a, b = weights["colocated"], weights["async"]
+    if a.keys() != b.keys():
+        raise ValueError(f"the runs export other weights: {sorted(a.keys() ^ b.keys())[:5]}")
+    rel = {k: float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30)) for k in a}
+    rewards = {m: [r["reward/mean"] for r in res[m]["rows"] if "reward/mean" in r] for m in res}
+    worst = max(rel, key=rel.get)
+    return {
+        **meta,
+        "metric": "final_weight_rel_diff",
+        "value": rel[worst],
+        "unit": "ratio",
+        "config": EQUAL_CONFIG,
+        "overrides": {"both": [*EQUAL_BASE, f"train.num_steps={steps}"], "async": ON_POLICY},
+        "device": f"cpu ({os.cpu_count()} cores, shared): colocated 2 gloo ranks; async 2 "
+        "training + 2 rollout gloo ranks",
+        "steps": steps,
+        "worst_weight": worst,
+        "max_abs_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+        "weights": len(a),
+        "bit_identical_weights": sum(torch.equal(a[k], b[k]) for k in a),
+        "rewards_equal": rewards["colocated"] == rewards["async"],
+        "wall_s": {m: res[m]["wall_s"] for m in res},
+        "target_max": EQUAL_TOL,
+        "target_met": rel[worst] <= EQUAL_TOL,
+    }
+
+
+def equality_markdown(recs: list[dict]) -> str:
+    """The equality section of ``async_learning.md`` from the ``final_weight_rel_diff``
+    records (one row per run)."""
+    lines = [
+        "## Staleness 0 equals the colocated mode",
+        "",
+        f"`final_weight_rel_diff`: {EQUAL_CONFIG} for the stated steps, colocated on 2 ranks "
+        "vs async (2 training + 2 rollout ranks, "
+        + ", ".join(f"`{o}`" for o in ON_POLICY)
+        + "); per exported actor/critic weight max|async - colocated| / max|colocated|, the "
+        f"largest over all weights. Target (issue 31): <= {EQUAL_TOL:g} on every final weight.",
+        "",
+        "| run | commit | steps | largest rel. diff (weight) | largest abs. diff | "
+        "bit-identical weights | rewards equal | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in recs:
+        lines.append(
+            f"| `{r['run_id']}` {r['date'][:16]} | `{r['commit']}`"
+            f"{' (dirty)' if r['dirty'] else ''}{' (smoke)' if r['smoke'] else ''} | "
+            f"{r['steps']} | {r['value']:.3g} (`{r['worst_weight']}`) | {r['max_abs_diff']:.3g} | "
+            f"{r['bit_identical_weights']} / {r['weights']} | {r['rewards_equal']} | "
+            f"{'met' if r['target_met'] else 'missed'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(recs: list[dict]) -> str:
     """``async_learning.md`` from the ``eval_gain`` records (every run of the file, one row
     per seed and run)."""
@@ -105,13 +206,15 @@ def markdown(recs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: run the seeds in async mode, append ``eval_gain`` records, regenerate the
-    markdown; returns 0 when every seed meets the gain target, 1 otherwise."""
+    """CLI: run the seeds in async mode (or, with ``--equality``, the equality check; both
+    with ``--smoke``), append the records, regenerate the markdown; returns 0 when every
+    record meets its target, 1 otherwise."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--runs", default="runs/async_learning", help="parent of the run folders")
-    p.add_argument("--smoke", action="store_true", help="tiny model, 1 seed x 2 steps (CI)")
+    p.add_argument("--equality", action="store_true", help="the staleness-0 equality check")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, both parts (CI)")
     a = p.parse_args(argv)
     extra, stem = list(ASYNC), "async_learning"
     if a.smoke:
@@ -130,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": a.smoke,
     }
     recs = []
-    for s in a.seeds:
+    for s in [] if a.equality and not a.smoke else a.seeds:
         res = finish_seed(start_seed(CONFIG, s, REPO / a.runs / f"seed{s}", extra))
         recs.append(record(s, res, meta, 1))
         print(f"seed {s}: {res['summary_line']} (wall {res['wall_s']:.0f} s)")
+    if a.equality or a.smoke:
+        recs.append(equality(REPO / a.runs, 2 if a.smoke else EQUAL_STEPS, meta))
+        print(f"final_weight_rel_diff {recs[-1]['value']:.3g} (target <= {EQUAL_TOL:g})")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / (f"{BENCH}.smoke.jsonl" if a.smoke else f"{BENCH}.jsonl")
@@ -141,8 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in recs:
             f.write(json.dumps(r) + "\n")
     every = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
-    (out / f"{stem}.md").write_text(markdown([r for r in every if r["metric"] == "eval_gain"]))
-    print(json.dumps({r["seed"]: round(r["value"], 4) for r in recs}))
+    gains = [r for r in every if r["metric"] == "eval_gain"]
+    equal = [r for r in every if r["metric"] == "final_weight_rel_diff"]
+    md = markdown(gains) if gains else "# Async rollout\n"
+    (out / f"{stem}.md").write_text(md + ("\n" + equality_markdown(equal) if equal else ""))
+    print(json.dumps({r.get("seed", r["metric"]): round(r["value"], 9) for r in recs}))
     return 0 if all(r["target_met"] for r in recs) else 1
 
 

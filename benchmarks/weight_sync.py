@@ -10,13 +10,17 @@ Protocol: per round, one optimizer step, then both wires sync the same new weigh
 order that alternates per round (interleaved); each wire keeps its own receiver copy (delta
 against what that receiver holds). While a sync is in flight the rollout ranks generate
 ``--gen-tokens`` greedy tokens with their live (old) weights through the TP model, then
-``switch()``. Numerics first: every sync's checksum must match on the receiver (the rollout
+``switch()``. The rollout ranks start generating when the round starts, as they start batch
+``k + 1`` when the trainers start step ``k``: the sync runs after the optimizer step, so the
+generation must outlast the step plus the transfer for the switch to wait only for the
+last bucket (64 tokens, ~1.3 s on a shared 2-core CPU, against a ~0.5 s step and the full
+wire's 0.57 s at 200 Mbit/s; with 32 a loaded machine made the switch wait for the wire). Numerics first: every sync's checksum must match on the receiver (the rollout
 shard is bit-identical to the trainer's weights cast to bf16) and the bytes handed to
 ``isend`` must equal those handed to ``irecv``; a record says ``numerics_ok``. Round 0 is the
 first sync (full on both wires) and is recorded but left out of the summaries.
 
 Per round and wire: ``wall_s`` = last receiver done - first sender start (one host, one
-clock), bytes over the link, the changed fraction, transfer and pause times. Metrics
+clock; the two training ranks end their step together, as DP replicas do), bytes over the link, the changed fraction, transfer and pause times. Metrics
 (``benchmarks/results/async_rollout.jsonl``): ``delta_bytes_vs_full`` (same round),
 ``sync_time_vs_line_rate`` (``wall_s`` over the bytes' time at ``--link-mbit``; only when a
 link rate is given) and ``pause_vs_transfer`` (generation paused in ``switch()`` over the
@@ -94,6 +98,7 @@ def rank_main(rank: int, world: int, a: dict) -> list[dict]:
     ctx = DistContext.from_default_group(a["timeout_s"])
     sync_group = ctx.new_group(list(range(world)))
     tp_pg = ctx.new_group(ROLL)
+    dp_pg = ctx.new_group(TRAIN)  # the replicas' gradient all-reduce point
     cfg = _config(a)
     plan = plan_group_sync(
         cfg, ParallelLayout(dp=2), ParallelLayout(tp=2), TRAIN, ROLL, a["bucket_elems"]
@@ -118,6 +123,10 @@ def rank_main(rank: int, world: int, a: dict) -> list[dict]:
             if rank in TRAIN:
                 if train_s is None:
                     train_s = _train_step(model, opt, a, rnd) if rnd else 0.0
+                    # DP replicas leave the step together (DeepSpeed's gradient all-reduce
+                    # waits for the slowest); these two share no gradients, so without it
+                    # the sync clock started at the first one's end, up to ~0.1 s early
+                    dist.barrier(group=dp_pg)
                 params = {n: p for n, p in model.named_parameters()}
                 st = ends[w].start(params)
                 ends[w].finish()
@@ -157,6 +166,7 @@ def _records(per_rank: list[list[dict]], a: dict, meta: dict) -> list[dict]:
             "pause_s": pause,
             "gen_s": max(o["gen_s"] for o in ro),
             "train_s": tr[0]["train_s"],
+            "encode_s": max(o["encode_s"] for o in tr),  # sender start(): cast, count, encode
             "changed_frac": sum(o["changed"] for o in tr) / sum(o["elems"] for o in tr),
             "numerics_ok": sent == recv and all(o["verified"] for o in ro),
         }
@@ -230,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "intermediate": hidden * 11 // 4,
         "layers": x.layers or (2 if x.smoke else 4),
         "vocab": x.vocab or (512 if x.smoke else 8192),
-        "gen_tokens": x.gen_tokens if x.gen_tokens is not None else (4 if x.smoke else 32),
+        "gen_tokens": x.gen_tokens if x.gen_tokens is not None else (4 if x.smoke else 64),
         "bucket_elems": int(x.bucket_mb * (1 << 20)) // 2,
         "link_mbit": x.link_mbit,
         "timeout_s": x.timeout_s,

@@ -1,6 +1,6 @@
 """The async mode end to end on gloo (tiny model): equality with the colocated mode at
-staleness 0, the staleness bound of a one-step-off-policy run, and kill -9 of a rollout
-rank followed by a resume."""
+staleness 0, the staleness bound of a one-step-off-policy run, kill -9 of a rollout or a
+training rank followed by a resume, and Ctrl-C (SIGINT) followed by a resume."""
 
 import json
 import os
@@ -96,14 +96,22 @@ def _rank_pid(parent: int, rank: int) -> int | None:
     return None
 
 
-def test_kill_rollout_rank_then_resume(tmp_path):
-    args = [*BASE, *ON_POLICY, "train.num_steps=5", "train.save_interval=1", "comm.timeout_s=60"]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    r = run_job([*args, f"run_dir={ref}"])
+KILL = [*BASE, *ON_POLICY, "train.num_steps=5", "train.save_interval=1", "comm.timeout_s=60"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run the interrupted ones must end at (once for the module's tests)."""
+    ref = tmp_path_factory.mktemp("uninterrupted")
+    r = run_job([*KILL, f"run_dir={ref}"])
     assert r.returncode == 0, r.stderr[-3000:]
+    return ref
+
+
+def _start(run: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    p = subprocess.Popen(
-        [sys.executable, "-m", "verl_ppo.train", *args, f"run_dir={run}"],
+    return subprocess.Popen(
+        [sys.executable, "-m", "verl_ppo.train", *KILL, f"run_dir={run}"],
         cwd=ROOT,
         env=env,
         start_new_session=True,
@@ -111,25 +119,66 @@ def test_kill_rollout_rank_then_resume(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _wait_checkpoint(p: subprocess.Popen, run: Path, step: int) -> None:
     latest = run / "checkpoints" / "LATEST"
     deadline = time.monotonic() + 400
-    while not (latest.is_file() and latest.read_text() >= "step_000002"):
-        assert time.monotonic() < deadline and p.poll() is None, "ended before the kill"
+    while not (latest.is_file() and latest.read_text() >= f"step_{step:06d}"):
+        assert time.monotonic() < deadline and p.poll() is None, "ended before the interruption"
         time.sleep(0.05)
-    victim = _rank_pid(p.pid, 3)  # rollout rank 1 of 2
-    assert victim is not None
-    os.kill(victim, signal.SIGKILL)
-    t0 = time.monotonic()
-    _, err = p.communicate(timeout=120)
-    assert p.returncode != 0
-    assert time.monotonic() - t0 < 60  # within comm.timeout_s
-    assert "rank 3" in err, err[-2000:]
-    good = latest.read_text()
-    r2 = run_job([*args, f"run_dir={run}"])
-    assert r2.returncode == 0, r2.stderr[-3000:]
-    assert f"at step {int(good.split('_')[1])}" in r2.stderr
+
+
+def _resume_ends_like(run: Path, ref: Path) -> None:
+    """The same command resumes from the last intact checkpoint and ends where the
+    uninterrupted run does (bit-identical training at staleness 0: 1e-6 is the bound)."""
+    good = (run / "checkpoints" / "LATEST").read_text()
+    r = run_job([*KILL, f"run_dir={run}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"at step {int(good.split('_')[1])}" in r.stderr
     got, want = _steps(run), _steps(ref)
     assert [x["step"] for x in got] == [x["step"] for x in want] == [1, 2, 3, 4, 5]
     a, b = _weights(ref), _weights(run)
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert worst <= 1e-6, worst  # the resumed run ends where the uninterrupted one does
+    assert worst <= 1e-6, worst
+
+
+@pytest.mark.parametrize("victim", [3, 1], ids=["rollout_rank", "training_rank"])
+def test_kill_rank_then_resume(tmp_path, uninterrupted, victim):
+    """kill -9 of rollout rank 1 of 2 (bridge rank 3) or of training rank 1 of 2: the job
+    stops within comm.timeout_s naming the dead rank, the checkpoint of the last completed
+    step is intact, and the same command resumes from it."""
+    run = tmp_path / "run"
+    p = _start(run)
+    _wait_checkpoint(p, run, 2)
+    pid = _rank_pid(p.pid, victim)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode != 0
+    assert time.monotonic() - t0 < 60  # within comm.timeout_s
+    assert f"rank {victim}" in err, err[-2000:]
+    _resume_ends_like(run, uninterrupted)
+
+
+def test_sigint_stops_every_rank_then_resumes(tmp_path, uninterrupted):
+    """Ctrl-C of the async job: the launcher forwards SIGINT to the training and the rollout
+    ranks; the training ranks stop at the next step boundary with a checkpoint, the rollout
+    ranks say they stopped with them, nobody waits for comm.timeout_s, and the same command
+    resumes."""
+    run = tmp_path / "run"
+    p = _start(run)
+    _wait_checkpoint(p, run, 1)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert time.monotonic() - t0 < 45, err[-3000:]  # well before comm.timeout_s (60 s)
+    stopped = int((run / "checkpoints" / "LATEST").read_text().split("_")[1])
+    assert 1 <= stopped < 5 and f"stopped after step {stopped}" in err, err[-3000:]
+    assert "rollout rank" in err and "stopped with the training ranks" in err, err[-3000:]
+    # no rank failed or was killed ("killed after" is the launcher's notice of the deadline)
+    assert "Traceback" not in err and "ranks killed" not in err, err[-3000:]
+    assert "failed" not in err, err[-3000:]
+    _resume_ends_like(run, uninterrupted)

@@ -12,8 +12,11 @@ from verl_ppo.reshard.delta import (
     BITMASK,
     FULL,
     INDEX,
+    _pack_bits,
+    _unpack_bits,
     checksum,
     choose_encoding,
+    count_true,
     decode_,
     encode,
     encoded_nbytes,
@@ -114,16 +117,41 @@ def test_bad_input_refused():
         checksum(a.view(4, 4).t())
 
 
-def test_checksum_reference_and_sensitivity():
+def _checksum_ref(t: torch.Tensor) -> tuple[int, int]:
+    """The module docstring's definition in Python integers (independent of the blockwise
+    torch computation)."""
+    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+    raw += bytes(-len(raw) % 8)
+    words = [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8)]
+    s1 = sum(words) % 2**64
+    s2 = sum((j + 1) * w for j, w in enumerate(words)) % 2**64
+
+    def signed(v: int) -> int:
+        return v - 2**64 if v >= 2**63 else v
+
+    return signed(s1), signed(s2)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 1001, 4 * 1024 * 3 + 6])  # a tail word, blocks + tail
+def test_checksum_reference(n):
+    g = torch.Generator().manual_seed(n)
+    t = torch.randn(n, generator=g).to(torch.bfloat16)
+    assert checksum(t) == _checksum_ref(t)
+    assert checksum(t[1:]) == _checksum_ref(t[1:])  # misaligned start: copied first
+    big = torch.randint(-(2**31), 2**31 - 1, (4099,), dtype=torch.int32, generator=g)
+    assert checksum(big) == _checksum_ref(big)  # the sums wrap mod 2^64
+
+
+def test_checksum_sensitivity():
     g = torch.Generator().manual_seed(3)
     t = torch.randn(1001, generator=g).to(torch.bfloat16)
-    w = t.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
-    # independent reference in numpy (no overflow at this size)
-    assert checksum(t) == (int(w.sum()), int((w * np.arange(1, 1002)).sum()))
-    swapped = t.clone()
-    swapped[[0, 1]] = t[[1, 0]]
-    assert t[0] != t[1]
-    assert checksum(swapped)[0] == checksum(t)[0] and checksum(swapped)[1] != checksum(t)[1]
+    for i, j in ((0, 4), (0, 1)):  # other words: same s1, other s2; one word: other s1
+        swapped = t.clone()
+        swapped[[i, j]] = t[[j, i]]
+        assert t[i] != t[j]
+        same_word = i // 4 == j // 4
+        assert (checksum(swapped)[0] == checksum(t)[0]) != same_word
+        assert checksum(swapped)[1] != checksum(t)[1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -138,3 +166,28 @@ def test_checksum_and_codec_same_on_cuda():
     out = ref.cuda()
     decode_(out, enc_g.kind, enc_g.changed, enc_g.payload)
     assert torch.equal(_bits(out.cpu()), _bits(new))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1001])
+def test_bitmask_packing_matches_numpy(n):
+    g = torch.Generator().manual_seed(n)
+    mask = torch.rand(n, generator=g) < 0.3
+    want = np.packbits(mask.numpy(), bitorder="little")
+    assert np.array_equal(_pack_bits(mask).numpy(), want)
+    assert torch.equal(_unpack_bits(_pack_bits(mask), n), mask)
+    assert np.array_equal(
+        _pack_bits(mask[1:]).numpy(), np.packbits(mask[1:].numpy(), bitorder="little")
+    )
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 1001, 1 << 16])
+def test_count_true_matches_sum(n):
+    g = torch.Generator().manual_seed(n)
+    mask = torch.rand(n, generator=g) < 0.3
+    assert int(count_true(mask)) == int(mask.sum())
+    assert int(count_true(mask[3:])) == int(mask[3:].sum())  # misaligned: copied first
+    if n % 16 == 0:
+        assert count_true(mask, 2).tolist() == [int(h.sum()) for h in mask.chunk(2)]
+    assert int(count_true(torch.ones(n, dtype=torch.bool))) == n  # 8 per word: no carry
+    with pytest.raises(ValueError, match="64-bit words"):
+        count_true(torch.zeros(24, dtype=torch.bool), 2)

@@ -19,6 +19,7 @@ only for what is left of it.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -139,16 +140,42 @@ class RolloutWorker:
 
 
 def run_rollout_rank(cfg: Any) -> int:
-    """Body of a rollout rank (joins the async world first); returns its exit code."""
+    """Body of a rollout rank (joins the async world first); returns its exit code.
+
+    SIGINT/SIGTERM (forwarded by the launcher, or Ctrl-C under torchrun) do not stop a
+    rollout rank by themselves: the training ranks finish the current step, save its
+    checkpoint and exit, which ends the rollout rank's next wait on them; that end, after a
+    signal, is the stop (exit ``128 + signal``, one line from the first rollout rank), not
+    a failure.
+
+    Raises:
+        WeightSyncError, RolloutLinkError: a dead or late training rank without a signal.
+    """
+    from verl_ppo.asyncrl.channel import RolloutLinkError
     from verl_ppo.asyncrl.world import join_world
+    from verl_ppo.reshard.group_sync import WeightSyncError
+    from verl_ppo.run.folder import StopRequest
 
     world = join_world(cfg)
     logging.getLogger(__name__).debug(
         "rollout rank %d serves %s", world.rank, world.served_by(world.rank)
     )
     worker = RolloutWorker(cfg, world)
+    stop = StopRequest().install()
     try:
         worker.run()
+    except (WeightSyncError, RolloutLinkError):
+        if not stop.signum:
+            raise
+        if world.rank == world.n_train:  # every rollout rank got it: say it once
+            print(
+                f"verl-ppo [rank {world.rank}]: signal {stop.signum}: the rollout ranks "
+                "stopped with the training ranks (they saved the checkpoint of their last "
+                "step)",
+                file=sys.stderr,
+            )
+        return 128 + stop.signum
     finally:
+        stop.restore()
         worker.close()
     return 0

@@ -17,14 +17,19 @@ Decoding writes into the receiver's copy in place. The codec is lossless: after 
 the receiver's bytes equal the sender's (tests/verl_ppo/test_reshard_delta.py checks it
 over 20 random updates).
 
-:func:`checksum` proves that after a sync: two int64 sums over the 16-bit words of the
-tensor, ``s1 = sum(w_i)`` and ``s2 = sum((i + 1) * w_i)`` mod 2^64 (Fletcher's position
-weighting, so swapped or shifted elements change ``s2``). Integer addition mod 2^64 is
-associative and commutative, so the result does not depend on the reduction order and
-is the same on CPU and CUDA; it runs where the tensor lives and moves 16 bytes to the
-host (a CRC over the bytes, e.g. ``zlib.crc32``, would first copy the whole shard to the
-host). It is a consistency check against transport or bookkeeping bugs, not a
-cryptographic hash.
+:func:`checksum` proves that after a sync: two sums over the tensor's bytes read as
+little-endian 64-bit words ``W_j`` (four 16-bit elements each, the last word zero-padded),
+``s1 = sum(W_j)`` and ``s2 = sum((j + 1) * W_j)`` mod 2^64 (Fletcher's position weighting,
+so swapped or shifted words change ``s2``, and elements swapped inside a word change
+``W_j`` itself). Integer arithmetic mod 2^64 is associative and commutative, so the result
+does not depend on the reduction order and is the same on CPU and CUDA; it runs where the
+tensor lives and moves 16 bytes to the host (a CRC over the bytes, e.g. ``zlib.crc32``,
+would first copy the whole shard to the host). ``s2`` is computed blockwise,
+``sum_r rK * rowsum_r + sum_c (c + 1) * colsum_c`` over the words viewed as ``(m, K)``, so
+it reads the words twice and allocates nothing of their size (widening 16-bit words to
+int64 first, as an earlier version did, made it ~100x slower: 130 ms for 1.8 M elements on
+one CPU core, longer than a delta sync's bytes take on a 200 Mbit/s link). It is a
+consistency check against transport or bookkeeping bugs, not a cryptographic hash.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ import torch
 
 FULL, INDEX, BITMASK = 0, 1, 2
 ENCODINGS = {FULL: "full", INDEX: "index", BITMASK: "bitmask"}
-_CHUNK = 1 << 22  # elements per checksum chunk: bounds the int64 temporaries to 32 MiB
+_BLOCK = 1024  # 64-bit words per row of the blockwise checksum
 _BITS = (1, 2, 4, 8, 16, 32, 64, 128)
+_GATHER = 0x0102040810204080  # byte i's low bit -> bit 56 + i of the product
+_ONES = 0x0101010101010101  # the 8 bytes' sum -> the product's top byte
 
 
 @dataclass(frozen=True)
@@ -95,11 +102,33 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    n = mask.numel()
-    pad = (-n) % 8
-    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
-    weights = torch.tensor(_BITS, dtype=torch.uint8, device=mask.device)
-    return (m * weights).sum(1, dtype=torch.uint8)
+    """Little-endian bitmask of a bool ``(n,)`` (bit ``i % 8`` of byte ``i // 8``). Each
+    8 flags (one 0/1 byte each) read as an int64 word are gathered into its top byte by one
+    multiply with :data:`_GATHER` (Warren, Hacker's Delight, 2nd ed., 7-2), ~8x faster
+    than a per-byte weighted sum on the CPU; int64 wraps alike on CPU and CUDA."""
+    m = mask.view(torch.uint8)
+    if m.numel() % 8:
+        m = torch.nn.functional.pad(m, (0, (-m.numel()) % 8))
+    return (((_as(m, torch.int64) * _GATHER) >> 56) & 0xFF).to(torch.uint8)
+
+
+def count_true(mask: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """True elements of a 1-D bool ``mask`` in each of ``parts`` equal consecutive parts
+    (int64 ``(parts,)``, on the mask's device). Each 8 flags read as an int64 word are
+    summed into its top byte by one multiply with :data:`_ONES` (at most 8: no carry), ~50x
+    faster than ``mask.sum()``, which widens every flag to int64 first.
+
+    Raises:
+        ValueError: ``mask.numel()`` is not ``parts`` times a multiple of 8 (one part: any
+            length, padded).
+    """
+    m = mask.view(torch.uint8)
+    if parts == 1 and m.numel() % 8:
+        m = torch.nn.functional.pad(m, (0, (-m.numel()) % 8))
+    if m.numel() % (8 * parts):
+        raise ValueError(f"{m.numel()} flags are not {parts} parts of whole 64-bit words")
+    words = _as(m, torch.int64).view(parts, -1)
+    return (((words * _ONES) >> 56) & 0xFF).sum(1)
 
 
 def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -107,12 +136,35 @@ def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) & weights) != 0).view(-1)[:n]
 
 
-def encode(reference: torch.Tensor, new: torch.Tensor) -> EncodedBucket:
+def _pair(reference: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int16 views of a (reference, new) pair, after checking they match."""
+    if reference.shape != new.shape or reference.dtype != new.dtype:
+        raise ValueError(
+            f"reference {tuple(reference.shape)} {reference.dtype} and new "
+            f"{tuple(new.shape)} {new.dtype} differ"
+        )
+    if reference.device != new.device:
+        raise ValueError(f"reference on {reference.device}, new on {new.device}")
+    return _int_view(reference, "reference"), _int_view(new, "new")
+
+
+def changed_mask(reference: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Bool ``(n,)``: the elements of ``new`` whose bits differ from ``reference``'s (same
+    checks as :func:`encode`). Lets a caller count a whole stream's changes per bucket in
+    one pass and hand each bucket's slice to :func:`encode`."""
+    old_w, new_w = _pair(reference, new)
+    return old_w != new_w
+
+
+def encode(
+    reference: torch.Tensor, new: torch.Tensor, mask: torch.Tensor | None = None
+) -> EncodedBucket:
     """Encode ``new`` against ``reference`` (what the receiver holds), smallest per bucket.
 
     Args:
         reference: 1-D contiguous bf16/fp16 tensor, the values the receiver holds now.
         new: same shape, dtype and device: the values it must hold after decoding.
+        mask: ``changed_mask(reference, new)`` if the caller has it (else computed here).
 
     Returns:
         an :class:`EncodedBucket` (the payload never aliases the inputs).
@@ -121,27 +173,18 @@ def encode(reference: torch.Tensor, new: torch.Tensor) -> EncodedBucket:
         ValueError: shapes, dtypes or devices differ, a tensor is not 1-D, contiguous and
             16-bit floating point.
     """
-    if reference.shape != new.shape or reference.dtype != new.dtype:
-        raise ValueError(
-            f"reference {tuple(reference.shape)} {reference.dtype} and new "
-            f"{tuple(new.shape)} {new.dtype} differ"
-        )
-    if reference.device != new.device:
-        raise ValueError(f"reference on {reference.device}, new on {new.device}")
-    old_w, new_w = _int_view(reference, "reference"), _int_view(new, "new")
+    old_w, new_w = _pair(reference, new)
     n = new.numel()
-    mask = old_w != new_w
-    changed = int(mask.sum())
+    mask = old_w != new_w if mask is None else mask
+    changed = int(count_true(mask))
     kind = choose_encoding(n, changed, new.element_size())
     if kind == FULL:
         payload = new_w.clone().view(torch.uint8)
     else:
-        values = new_w[mask].view(torch.uint8)
-        if kind == INDEX:
-            pos = mask.nonzero().view(-1).to(torch.int32).view(torch.uint8)
-            payload = torch.cat([pos, values])
-        else:
-            payload = torch.cat([_pack_bits(mask), values])
+        pos = mask.nonzero().view(-1)  # once: the values are gathered with it too
+        values = new_w.index_select(0, pos).view(torch.uint8)
+        head = pos.to(torch.int32).view(torch.uint8) if kind == INDEX else _pack_bits(mask)
+        payload = torch.cat([head, values])
     assert payload.numel() == encoded_nbytes(kind, n, changed, new.element_size())
     return EncodedBucket(kind, n, changed, payload)
 
@@ -178,11 +221,10 @@ def decode_(target: torch.Tensor, kind: int, changed: int, payload: torch.Tensor
 
 
 def checksum(t: torch.Tensor) -> tuple[int, int]:
-    """``(s1, s2)`` over the 16-bit words of ``t`` (see the module docstring).
+    """``(s1, s2)`` over the 64-bit words of ``t``'s bytes (see the module docstring).
 
     Args:
-        t: contiguous tensor of a 16-bit dtype (or a 32-bit one, read as twice as many
-            16-bit words), any shape and device.
+        t: contiguous tensor of a 16- or 32-bit dtype, any shape and device.
 
     Returns:
         two Python ints in ``[-2^63, 2^63)`` (int64 sums, wrapping).
@@ -192,12 +234,21 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
     """
     if not t.is_contiguous() or t.element_size() not in (2, 4):
         raise ValueError(f"checksum needs a contiguous 16- or 32-bit tensor, got {t.dtype}")
-    w = t.reshape(-1).view(torch.int16)
-    s1 = torch.zeros((), dtype=torch.int64, device=t.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=t.device)
-    for a in range(0, w.numel(), _CHUNK):
-        x = w[a : a + _CHUNK].to(torch.int64) & 0xFFFF
-        idx = torch.arange(a + 1, a + 1 + x.numel(), dtype=torch.int64, device=t.device)
-        s1 += x.sum()
-        s2 += (x * idx).sum()
+    b = t.reshape(-1).view(torch.uint8)
+    q, rest = divmod(b.numel(), 8)
+    words = _as(b[: 8 * q], torch.int64)
+    if rest:  # the last word, zero-padded
+        pad = torch.zeros(8 - rest, dtype=torch.uint8, device=t.device)
+        words = torch.cat([words, torch.cat([b[8 * q :], pad]).view(torch.int64)])
+    n, K = words.numel(), _BLOCK
+    m = n // K
+    x = words[: m * K].view(m, K)
+    tail = words[m * K :]
+
+    def idx(a: int, b: int, step: int = 1) -> torch.Tensor:
+        return torch.arange(a, b, step, dtype=torch.int64, device=t.device)
+
+    s1 = x.sum() + tail.sum()
+    s2 = (x.sum(1) * idx(0, m * K, K)).sum() + (x.sum(0) * idx(1, K + 1)).sum()
+    s2 = s2 + (tail * idx(m * K + 1, n + 1)).sum()
     return int(s1), int(s2)

@@ -38,13 +38,16 @@ import torch.distributed as dist
 from verl_ppo.reshard.delta import (
     ENCODINGS,
     FULL,
+    changed_mask,
     checksum,
+    choose_encoding,
+    count_true,
     decode_,
     encode,
     encoded_nbytes,
 )
 from verl_ppo.reshard.group_plan import GroupSyncPlan, SyncStream
-from verl_ppo.reshard.specs import slice_shard
+from verl_ppo.reshard.specs import piece_view
 
 WIRES = ("full", "delta")
 
@@ -208,6 +211,18 @@ def wait_work(
         raise error(f"{what} {kind}: {e}") from e
 
 
+def _counts(mask: torch.Tensor, buckets: list[tuple[int, int]]) -> list[int]:
+    """True elements of ``mask`` per bucket (equal buckets, the last maybe shorter): one
+    reduction and one device-to-host copy, not one per bucket."""
+    if not buckets:
+        return []
+    size = buckets[0][1] - buckets[0][0]
+    whole = mask.numel() // size if size % 8 == 0 else 0  # buckets of whole 64-bit words
+    parts = [count_true(mask[: whole * size], whole)] if whole else []
+    parts += [count_true(mask[a:b]) for a, b in buckets[whole:]]
+    return torch.cat(parts).tolist()
+
+
 def _check_wire(wire: str) -> None:
     if wire not in WIRES:
         raise ValueError(f"sync wire {wire!r} is not one of {WIRES}")
@@ -285,10 +300,13 @@ class SyncSender:
         self.last_stats: SyncStats | None = None
 
     def _flat(self, s: SyncStream, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The stream's rollout-dtype elements: each shard's pieces copied (and cast) from
+        the full weights straight into one buffer, one pass over the bytes sent."""
         j = self.plan.rollout_ranks.index(s.dst)
-        parts = []
+        flat = torch.zeros(s.numel, dtype=self.dtype, device=self.device)
+        off = 0
         for p in s.params:
-            spec = self.plan.specs[p]
+            spec, sh = self.plan.specs[p], self.plan.rollout_shards[j][p]
             if spec.name not in params:
                 raise KeyError(f"rank {self.rank} must send {spec.name!r} but does not hold it")
             t = params[spec.name].detach()
@@ -297,30 +315,47 @@ class SyncSender:
                     f"{spec.name}: rank {self.rank} holds shape {tuple(t.shape)}, the sync "
                     f"plan needs the full {spec.shape}"
                 )
-            sh = self.plan.rollout_shards[j][p]
-            parts.append(slice_shard(t.to(self.device, self.dtype), sh).view(-1))
-        return torch.cat(parts)
+            seg = flat[off : off + sh.numel]
+            for piece in sh.pieces:
+                piece_view(seg, piece).copy_(t[tuple(slice(a, b) for a, b in piece.gbox)])
+            off += sh.numel
+        return flat
 
-    def _encode(self, i: int, s: SyncStream, new: torch.Tensor, stats: SyncStats):
+    def _header(self, i: int, s: SyncStream, new: torch.Tensor, stats: SyncStats) -> list:
+        """Count the stream's changes per bucket (one compare over the stream) and post
+        its header; returns the buckets still to encode ``(a, b, kind, changed, mask)``."""
         ref = self._ref.get(i) if self.wire == "delta" else None
-        header, payloads = [*checksum(new)], []
-        for a, b in s.buckets(self.plan.bucket_elems):
-            if ref is not None:
-                enc = encode(ref[a:b], new[a:b])
-                kind, changed, payload = enc.kind, enc.changed, enc.payload
-            else:
-                kind, changed, payload = FULL, b - a, new[a:b].view(torch.uint8)
+        mask = None if ref is None else changed_mask(ref, new)
+        header, todo = [*checksum(new)], []
+        buckets = s.buckets(self.plan.bucket_elems)
+        counts = [b - a for a, b in buckets] if mask is None else _counts(mask, buckets)
+        for (a, b), changed in zip(buckets, counts):
+            kind = FULL if mask is None else choose_encoding(b - a, changed, new.element_size())
             header += [kind, changed]
             stats.changed += changed
             stats.encodings[ENCODINGS[kind]] = stats.encodings.get(ENCODINGS[kind], 0) + 1
-            if payload.numel():
-                payloads.append(payload)
-        if self.wire == "delta":
-            self._ref[i] = new
-        return torch.tensor(header, dtype=torch.int64, device=self.device), payloads
+            if encoded_nbytes(kind, b - a, changed, new.element_size()):
+                todo.append((a, b, kind, changed, None if mask is None else mask[a:b]))
+        h = torch.tensor(header, dtype=torch.int64, device=self.device)
+        stats.header_bytes += h.numel() * h.element_size()
+        self._pending.append((self.peer.isend(h, s.dst, stats), s.dst, "header send", h))
+        return todo
+
+    def _payload(self, i: int, new: torch.Tensor, a: int, b: int, kind: int, changed: int, mask):
+        if kind == FULL:
+            return new[a:b].view(torch.uint8)
+        enc = encode(self._ref[i][a:b], new[a:b], mask)
+        assert (enc.kind, enc.changed) == (kind, changed)  # the header said so
+        return enc.payload
 
     def start(self, params: Mapping[str, torch.Tensor]) -> SyncStats:
         """Post this rank's streams for the current weights; returns without waiting.
+
+        Per stream its header (checksum and per-bucket sizes, from one compare over the
+        stream) and its first bucket go out before the next stream is cast, then the other
+        buckets, encoded one at a time round-robin over the streams, so the wire carries
+        bucket ``k`` while bucket ``k + 1`` is encoded instead of waiting for whole
+        streams' encodings.
 
         Args:
             params: full (per-stage) training weights by HF name, any float dtype.
@@ -334,15 +369,27 @@ class SyncSender:
         """
         self.finish()
         stats = SyncStats(self.step, self.wire, started_at=time.time())
-        for i, s in enumerate(self.streams):
-            t0 = time.perf_counter()
-            header, payloads = self._encode(i, s, self._flat(s, params), stats)
-            stats.encode_s += time.perf_counter() - t0
-            stats.elems += s.numel
-            stats.header_bytes += header.numel() * header.element_size()
-            for k, t in enumerate([header, *payloads]):
-                phase = "header send" if k == 0 else f"bucket send {k}/{len(payloads)}"
+        t0 = time.perf_counter()
+        news, todos = [], []
+
+        def post(i: int, k: int) -> None:
+            s, todo = self.streams[i], todos[i]
+            if k < len(todo):
+                t = self._payload(i, news[i], *todo[k])
+                phase = f"bucket send {k + 1}/{len(todo)}"
                 self._pending.append((self.peer.isend(t, s.dst, stats), s.dst, phase, t))
+
+        for i, s in enumerate(self.streams):  # the wire starts after one stream's work
+            news.append(self._flat(s, params))
+            todos.append(self._header(i, s, news[i], stats))
+            post(i, 0)
+        for k in range(1, max(map(len, todos), default=0)):
+            for i in range(len(self.streams)):
+                post(i, k)
+        if self.wire == "delta":
+            self._ref = dict(enumerate(news))
+        stats.elems = sum(s.numel for s in self.streams)
+        stats.encode_s = time.perf_counter() - t0
         self.step, self.last_stats = self.step + 1, stats
         return stats
 
