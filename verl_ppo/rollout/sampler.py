@@ -3,8 +3,9 @@ without CUDA graphs, tensor-parallel).
 
 Filtering follows HF's logits warpers (``transformers.generation.logits_process``:
 ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` with
-``min_tokens_to_keep=1``), applied in that order; the draw is :func:`sample_next` (see there). Same logits and same generator state in,
-same tokens out, whichever path calls it (``tests/verl_ppo/test_rollout_paths.py``).
+``min_tokens_to_keep=1``), applied in that order; the draw is :func:`sample_next` (see
+there). Same logits and same generator state in, same tokens out, whichever path calls it
+(``tests/verl_ppo/test_rollout_paths.py``).
 
 Besides the token the sampler returns its log-probability under the temperature-scaled,
 unfiltered distribution, ``log_softmax(logits / T)[token]``: the quantity the actor's
