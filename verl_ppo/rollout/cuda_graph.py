@@ -23,6 +23,7 @@ them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,36 @@ from verl_ppo.rollout.sampler import SamplingParams
 from verl_ppo.rollout.tp_model import KVCache, TPCausalLM, TPGroup
 
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
+
+FUSE_FREE_FRACTION = 0.125
+"""The decoder gives the rollout model fused q/k/v and gate/up copies
+(:meth:`TPCausalLM.fuse_projections`) on CUDA when their bytes are at most this fraction of
+the device's free memory when the decoder is built (about two thirds of the weights' bytes:
+0.47 GB for Qwen2.5-0.5B); otherwise it runs the unfused projections."""
+
+log = logging.getLogger("verl_ppo")
+
+
+def _maybe_fuse(model: TPCausalLM, reuse=None) -> None:
+    """Apply the :data:`FUSE_FREE_FRACTION` rule to ``model`` (CUDA only), reusing
+    ``reuse``'s buffers when given."""
+    if model.device.type != "cuda" or not model.llama or model.fused is not None:
+        return
+    if reuse is not None:
+        model.fuse_projections(reuse)
+        return
+    need = model.fused_nbytes()
+    free, _ = torch.cuda.mem_get_info(model.device)
+    if need <= FUSE_FREE_FRACTION * free:
+        model.fuse_projections()
+    else:
+        log.info(
+            "rollout: unfused q/k/v and gate/up projections (their fused copies would take "
+            "%.2f GB, more than %.0f%% of the %.2f GB free)",
+            need / 1e9,
+            100 * FUSE_FREE_FRACTION,
+            free / 1e9,
+        )
 
 
 def static_decoding_unsupported(model: Any) -> str | None:
@@ -113,12 +144,16 @@ class StaticCacheDecoder:
         self.max_seq_len = int(max_seq_len)
         self.use_cuda_graph = use_cuda_graph
         self.captures = 0
+        _maybe_fuse(self.tp_model)
         self._bufs: dict[int, _Buffers] = {}
 
     def retarget(self, model: TPCausalLM) -> None:
         """Decode with ``model`` from now on (the hybrid engine's shards of this step); the
         graph is recaptured at the next call if its weights moved."""
+        old = self.tp_model.fused
+        same = old is not None and model.fused_nbytes() == self.tp_model.fused_nbytes()
         self.tp_model = self.source = model
+        _maybe_fuse(model, old if same else None)
 
     def _buffers(self, B: int) -> _Buffers:
         if B not in self._bufs:
@@ -170,6 +205,7 @@ class StaticCacheDecoder:
         if P > self.max_seq_len:
             raise ValueError(f"prompt length {P} exceeds max_seq_len={self.max_seq_len}")
         bufs = self._buffers(B)
+        self.tp_model.refresh_fused()  # the weights may have changed since the last rollout
         if self.use_cuda_graph and (
             bufs.graph is None or bufs.param_ptrs != self.tp_model.param_ptrs()
         ):

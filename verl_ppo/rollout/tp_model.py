@@ -100,11 +100,19 @@ def _silu_mul_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
+def _add_rms_norm_ref(
+    x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + r
+    return s, _rms_norm_ref(s, w, eps)
+
+
 # A decode step of a small model is a few hundred small kernels; RMSNorm (8 elementwise
-# kernels in eager), RoPE (10) and SiLU-and-multiply (2) become one Triton kernel each,
-# which more than halves the kernels of the captured CUDA graph. Same arithmetic as the
-# eager references above (fp32 norm, HF's rotate-half RoPE).
+# kernels in eager), the residual add before it, RoPE (10) and SiLU-and-multiply (2) become
+# one Triton kernel each, which more than halves the kernels of the captured CUDA graph.
+# Same arithmetic as the eager references above (fp32 norm, HF's rotate-half RoPE).
 _rms_norm = CompiledOrEager(_rms_norm_ref)
+_add_rms_norm = CompiledOrEager(_add_rms_norm_ref)
 _rope = CompiledOrEager(_rope_ref)
 _silu_mul = CompiledOrEager(_silu_mul_ref)
 
@@ -133,6 +141,22 @@ def _rope_theta(config: Any) -> float:
             f"rope_type {rtype!r} is not supported by the TP rollout model (default only)"
         )
     return float(rp.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+@dataclass
+class FusedProjections:
+    """One layer's q/k/v and gate/up weights concatenated along the output dim (copies).
+
+    At a decode batch of ~100 rows each projection is a small, launch-bound GEMM; one GEMM
+    over ``[q; k; v]`` and one over ``[gate; up]`` replace five (as vLLM's ``QKVParallelLinear``
+    and ``MergedColumnParallelLinear`` do). The weights stay where their owner keeps them, so
+    these are copies, refreshed by :meth:`TPCausalLM.refresh_fused` before every rollout.
+    """
+
+    qkv_w: torch.Tensor  # (q_out + 2 kv_out, hidden)
+    qkv_b: torch.Tensor | None
+    gate_up_w: torch.Tensor  # (2 intermediate, hidden)
+    gate_up_b: torch.Tensor | None
 
 
 class KVCache:
@@ -181,6 +205,7 @@ class TPCausalLM:
         self.embed = shards[self.names.embed_weight()]
         self.head = shards.get(self.names.head_weight(), self.embed) if not d.tied else self.embed
         self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.fused: list[FusedProjections] | None = None  # see fuse_projections
         act = getattr(config, "hidden_act", None) or getattr(
             config, "activation_function", "gelu_new"
         )
@@ -209,6 +234,68 @@ class TPCausalLM:
     def nbytes(self) -> int:
         """Bytes of weights this rank holds."""
         return sum(t.numel() * t.element_size() for t in self.w.values())
+
+    def _fused_sources(self, i: int) -> tuple[list, list, list, list]:
+        """Layer ``i``'s q/k/v and gate/up weights and biases (biases None where absent)."""
+        w, n = self.w, self.names
+        qkv = [w[n.param(i, p)] for p in ("q", "k", "v")]
+        qkv_b = [w.get(n.param(i, p, "bias")) for p in ("q", "k", "v")]
+        gu = [w[n.param(i, p)] for p in ("gate", "up")]
+        gu_b = [w.get(n.param(i, p, "bias")) for p in ("gate", "up")]
+        return qkv, qkv_b, gu, gu_b
+
+    def fused_nbytes(self) -> int:
+        """Bytes :meth:`fuse_projections` allocates (0 for GPT-2: its c_attn is fused)."""
+        if not self.llama:
+            return 0
+        total = 0
+        for i in range(self.dims.num_layers):
+            for group in self._fused_sources(i):
+                total += sum(t.numel() * t.element_size() for t in group if t is not None)
+        return total
+
+    def fuse_projections(self, reuse: list[FusedProjections] | None = None) -> None:
+        """Give every Llama-family layer its :class:`FusedProjections` and fill them.
+
+        Args:
+            reuse: another model's fused copies of the same shapes (the hybrid engine's
+                shards of the previous step): their buffers are refilled instead of new ones
+                allocated, so a captured CUDA graph keeps reading valid addresses.
+        """
+        if not self.llama:
+            return
+        if reuse is None:
+            reuse = []
+            for i in range(self.dims.num_layers):
+                qkv, qkv_b, gu, gu_b = self._fused_sources(i)
+
+                def _bias(ws: list, bs: list) -> torch.Tensor | None:
+                    if all(b is None for b in bs):
+                        return None  # a missing bias of a partly biased group stays 0
+                    return ws[0].new_zeros(sum(t.shape[0] for t in ws))
+
+                reuse.append(
+                    FusedProjections(
+                        torch.cat(qkv), _bias(qkv, qkv_b), torch.cat(gu), _bias(gu, gu_b)
+                    )
+                )
+        self.fused = reuse
+        self.refresh_fused()
+
+    @torch.no_grad()
+    def refresh_fused(self) -> None:
+        """Copy the current weights into the fused copies (call whenever they may have
+        changed: the decoder does before every rollout). No-op without fused copies."""
+        for i, f in enumerate(self.fused or ()):
+            qkv, qkv_b, gu, gu_b = self._fused_sources(i)
+            torch.cat(qkv, out=f.qkv_w)
+            torch.cat(gu, out=f.gate_up_w)
+            for dst, ws, bs in ((f.qkv_b, qkv, qkv_b), (f.gate_up_b, gu, gu_b)):
+                offset = 0
+                for wt, b in zip(ws, bs):
+                    if b is not None and dst is not None:
+                        dst[offset : offset + wt.shape[0]].copy_(b)
+                    offset += wt.shape[0]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``max_len`` tokens."""
@@ -244,17 +331,7 @@ class TPCausalLM:
         cache.v[layer].index_copy_(2, slots, v)
         b, _, t, hd = q.shape
         if length is not None:
-            from verl_comm.kernels.decode_attention import decode_attention
-
-            out = decode_attention(
-                q[:, :, 0],
-                cache.k[layer],
-                cache.v[layer],
-                mask[:, 0, 0],
-                length,
-                1.0 / math.sqrt(hd),
-            )
-            return out.reshape(b, 1, self.nq * hd)
+            return self._decode_attend(q[:, :, 0], layer, cache, mask, length)
         g = self.nq // self.nkv
         qg = q.reshape(b, self.nkv, g * t, hd)
         if g > 1 and t > 1:
@@ -265,32 +342,78 @@ class TPCausalLM:
         # sdpa may return a non-contiguous layout (backend-dependent): reshape, not view
         return out.reshape(b, self.nq, t, hd).transpose(1, 2).reshape(b, t, self.nq * hd)
 
-    def _llama_layer(self, i: int, x, cos, sin, cache, mask, slots, length):
+    def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``(b, t, heads * head_dim)`` of layer ``i`` (one GEMM when fused)."""
+        w, n, hd = self.w, self.names, self.dims.head_dim
+        if self.fused is not None:
+            f = self.fused[i]
+            qkv = F.linear(h, f.qkv_w, f.qkv_b)
+            return qkv.split((self.nq * hd, self.nkv * hd, self.nkv * hd), dim=-1)
+        return tuple(  # type: ignore[return-value]
+            F.linear(h, w[n.param(i, p)], w.get(n.param(i, p, "bias"))) for p in ("q", "k", "v")
+        )
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's activation ``act(gate) * up`` (one GEMM when fused)."""
+        w, n = self.w, self.names
+        if self.fused is not None:
+            f = self.fused[i]
+            g, u = F.linear(h, f.gate_up_w, f.gate_up_b).chunk(2, dim=-1)
+        else:
+            g = F.linear(h, w[n.param(i, "gate")], w.get(n.param(i, "gate", "bias")))
+            u = F.linear(h, w[n.param(i, "up")], w.get(n.param(i, "up", "bias")))
+        return _silu_mul(g, u) if self.silu else self.act(g) * u
+
+    def _decode_attend(self, q, layer: int, cache: KVCache, mask, length) -> torch.Tensor:
+        """Split-K decode attention (kernels/decode_attention.py) of ``q (B, nq, D)`` over
+        the cache's first ``length`` slots under ``mask (B, 1, 1, S)``; ``(B, 1, nq * D)``."""
+        from verl_comm.kernels.decode_attention import decode_attention
+
+        b, hd = q.shape[0], self.dims.head_dim
+        out = decode_attention(
+            q, cache.k[layer], cache.v[layer], mask[:, 0, 0], length, 1.0 / math.sqrt(hd)
+        )
+        return out.reshape(b, 1, self.nq * hd)
+
+    def _llama_layer(self, i: int, x, r, cos, sin, cache, mask, slots, length):
+        """Layer ``i`` on the residual stream ``x + r`` (``r``: the previous layer's MLP
+        output, added here together with the norm; None for the first layer). Returns the
+        new ``(x, r)``."""
         w, n, hd = self.w, self.names, self.dims.head_dim
         b, t, _ = x.shape
-        h = _rms_norm(x, w[n.param(i, "attn_norm")], self.eps)
-        q = F.linear(h, w[n.param(i, "q")], w.get(n.param(i, "q", "bias")))
-        k = F.linear(h, w[n.param(i, "k")], w.get(n.param(i, "k", "bias")))
-        v = F.linear(h, w[n.param(i, "v")], w.get(n.param(i, "v", "bias")))
-        q = q.view(b, t, self.nq, hd).transpose(1, 2)
-        k = k.view(b, t, self.nkv, hd).transpose(1, 2)
-        v = v.view(b, t, self.nkv, hd).transpose(1, 2)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = _rope(q, k, c, s)
-        o = self.tp.all_reduce(
-            F.linear(self._attend(q, k, v, i, cache, mask, slots, length), w[n.param(i, "o")])
-        )
+        if r is None:
+            h = _rms_norm(x, w[n.param(i, "attn_norm")], self.eps)
+        else:
+            x, h = _add_rms_norm(x, r, w[n.param(i, "attn_norm")], self.eps)
+        q, k, v = self._qkv(i, h)
+        if length is not None:  # one new token: RoPE and the cache write in one kernel
+            from verl_comm.kernels.rope_cache import rope_write_cache
+
+            q = rope_write_cache(
+                q.view(b, self.nq, hd),
+                k.view(b, self.nkv, hd),
+                v.view(b, self.nkv, hd),
+                cos.view(b, hd),
+                sin.view(b, hd),
+                cache.k[i],
+                cache.v[i],
+                slots,
+            )
+            a = self._decode_attend(q, i, cache, mask, length)
+        else:
+            q = q.view(b, t, self.nq, hd).transpose(1, 2)
+            k = k.view(b, t, self.nkv, hd).transpose(1, 2)
+            v = v.view(b, t, self.nkv, hd).transpose(1, 2)
+            q, k = _rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+            a = self._attend(q, k, v, i, cache, mask, slots, None)
+        o = self.tp.all_reduce(F.linear(a, w[n.param(i, "o")]))
         if n.param(i, "o", "bias") in w:
             o = o + w[n.param(i, "o", "bias")]
-        x = x + o
-        h = _rms_norm(x, w[n.param(i, "mlp_norm")], self.eps)
-        g = F.linear(h, w[n.param(i, "gate")], w.get(n.param(i, "gate", "bias")))
-        u = F.linear(h, w[n.param(i, "up")], w.get(n.param(i, "up", "bias")))
-        a = _silu_mul(g, u) if self.silu else self.act(g) * u
-        m = self.tp.all_reduce(F.linear(a, w[n.param(i, "down")]))
+        x, h = _add_rms_norm(x, o, w[n.param(i, "mlp_norm")], self.eps)
+        m = self.tp.all_reduce(F.linear(self._mlp(i, h), w[n.param(i, "down")]))
         if n.param(i, "down", "bias") in w:
             m = m + w[n.param(i, "down", "bias")]
-        return x + m
+        return x, m
 
     def _gpt2_layer(self, i: int, x, cache, mask, slots, length):
         w, n, hd = self.w, self.names, self.dims.head_dim
@@ -345,9 +468,11 @@ class TPCausalLM:
             freqs = positions[..., None].float() * self.inv_freq
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+            r = None
             for i in range(self.dims.num_layers):
-                x = self._llama_layer(i, x, cos, sin, cache, mask, slots, length)
-            x = _rms_norm(x[:, -1], self.w[f"{self.names.norm()}weight"], self.eps)
+                x, r = self._llama_layer(i, x, r, cos, sin, cache, mask, slots, length)
+            norm_w = self.w[f"{self.names.norm()}weight"]
+            x = _add_rms_norm(x[:, -1], r[:, -1], norm_w, self.eps)[1]
         else:
             x = x + F.embedding(positions, self.w[f"{self.names.base}wpe.weight"])
             for i in range(self.dims.num_layers):
@@ -363,5 +488,7 @@ class TPCausalLM:
         return self.tp.gather_last_dim(F.linear(x, self.head))
 
     def param_ptrs(self) -> tuple[int, ...]:
-        """Addresses of every weight (a captured CUDA graph is valid while they hold)."""
-        return tuple(t.data_ptr() for t in self.w.values())
+        """Addresses of every weight and fused copy (a captured CUDA graph is valid while
+        they hold)."""
+        fused = [t for f in self.fused or () for t in vars(f).values() if t is not None]
+        return tuple(t.data_ptr() for t in [*self.w.values(), *fused])
