@@ -22,6 +22,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
         "tie_word_embeddings": True,
     },
+    "qwen15b": {  # the wider shape (Qwen2.5-1.5B's dims; head_dim 128)
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    },
     "tiny": {
         "model_type": "qwen2",
         "hidden_size": 64,

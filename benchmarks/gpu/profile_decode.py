@@ -7,7 +7,11 @@ Prints: the whole rollout's time and its fraction of the floor; a decode step sp
 the model's step (graph replay, or eager) and the sampler; and torch.profiler's kernel tables
 of a few steps of each.
 
-    python benchmarks/gpu/profile_decode.py [--batch 128] [--prompt 256] [--new 256]
+    python benchmarks/gpu/profile_decode.py [--shape qwen05b] [--layers N] [--batch 128]
+        [--prompt 256] [--new 256] [--tables] [--sweep]
+
+Three decoders in turn: the default (decode kernels and fused q/k/v, gate/up projections),
+without the fused projections, and without either.
 """
 
 from __future__ import annotations
@@ -66,14 +70,17 @@ def _table(fn, n: int, title: str) -> None:
     )
 
 
-def _measure(model, ids, mask, S, R, params, kernel, a, floors) -> None:
-    """Time one decoder (decode kernel on or off) and print its line (and tables)."""
+def _measure(model, ids, mask, S, R, params, kernel, fused, a, floors) -> None:
+    """Time one decoder (decode kernels on or off, fused projections on or off) and print
+    its line (and tables)."""
     from verl_ppo.rollout.cuda_graph import StaticCacheDecoder
     from verl_ppo.rollout.sampler import sample_next
 
     (B, P), (floor, step_floor) = ids.shape, floors
     dec = StaticCacheDecoder(model, max_seq_len=S, use_cuda_graph=not a.eager)
     dec.tp_model.decode_kernel = kernel and dec.tp_model.decode_kernel
+    if not fused:
+        dec.tp_model.fused = None
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rollout():
@@ -91,12 +98,13 @@ def _measure(model, ids, mask, S, R, params, kernel, a, floors) -> None:
     t_step = _timed(lambda: dec.decode(tok, pos, P + 100), 50)
     t_samp = _timed(lambda: sample_next(logits, params, gen), 50)
     print(
-        f"decode_kernel={dec.tp_model.decode_kernel} graph={not a.eager}: rollout B={B} P={P} "
+        f"decode_kernel={dec.tp_model.decode_kernel} fused={dec.tp_model.fused is not None} "
+        f"graph={not a.eager}: rollout B={B} P={P} "
         f"R={R} {t_roll:.4f} s, floor {floor:.4f} s -> {floor / t_roll:.1%} of floor; prefill "
         f"{t_pre * 1e3:.2f} ms; model step {t_step * 1e3:.3f} ms; sampler {t_samp * 1e3:.3f} "
         f"ms; per step incl. loop {(t_roll - t_pre) / R * 1e3:.3f} ms (floor {step_floor * 1e3:.3f} ms)"
     )
-    if kernel and a.tables:
+    if kernel and fused and a.tables:
         _table(lambda: dec.decode(tok, pos, P + 100), 10, "decode step (model)")
         _table(lambda: sample_next(logits, params, gen), 10, "sampler")
 
@@ -140,6 +148,8 @@ def main() -> None:
     from verl_ppo.rollout.sampler import SamplingParams
 
     p = argparse.ArgumentParser()
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen05b")
+    p.add_argument("--layers", type=int, default=None, help="override the shape's depth")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--new", type=int, default=256)
@@ -149,7 +159,9 @@ def main() -> None:
         "--sweep", action="store_true", help="time the attention kernel's launch configs"
     )
     a = p.parse_args()
-    fields = dict(SHAPES["qwen05b"])
+    fields = dict(SHAPES[a.shape])
+    if a.layers:
+        fields["num_hidden_layers"] = a.layers
     cfg = AutoConfig.for_model(**fields)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
@@ -164,8 +176,8 @@ def main() -> None:
     step_floor = (floor - mf.forward(torch.full((B,), P), B) / peak[0]) / R
     if a.sweep:
         _sweep_attention(B, S, P + 100)
-    for kernel in (True, False):
-        _measure(model, ids, mask, S, R, params, kernel, a, (floor, step_floor))
+    for kernel, fused in ((True, True), (True, False), (False, False)):
+        _measure(model, ids, mask, S, R, params, kernel, fused, a, (floor, step_floor))
 
 
 if __name__ == "__main__":
