@@ -25,10 +25,11 @@ _NEG_INF = tl.constexpr(float("-inf"))
 
 @triton.jit
 def _split(
-    q_ptr, k_ptr, v_ptr, valid_ptr, len_ptr, acc_ptr, ml_ptr,
-    sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, s_valid,
+    q_ptr, k_ptr, v_ptr, valid_ptr, len_ptr, acc_ptr, ml_ptr, o_ptr,
+    sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, s_valid, so_b, so_h,
     scale, G, NSPLIT,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -63,10 +64,18 @@ def _split(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         lsum = lsum * alpha + tl.sum(p, 1)
         m = m_new
-    out = ((b * tl.num_programs(1) + h) * NSPLIT + sp) * G_P2 + rows
-    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc)
-    tl.store(ml_ptr + out * 2, m)
-    tl.store(ml_ptr + out * 2 + 1, lsum)
+    if DIRECT:  # one split: this program holds the whole softmax, no merge needed
+        den = tl.where(lsum == 0.0, 1.0, lsum)  # padding rows (>= G): never stored
+        tl.store(
+            o_ptr + b * so_b + (h * G + rows)[:, None] * so_h + d[None, :],
+            (acc / den[:, None]).to(o_ptr.dtype.element_ty),
+            mask=(rows < G)[:, None],
+        )
+    else:
+        out = ((b * tl.num_programs(1) + h) * NSPLIT + sp) * G_P2 + rows
+        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc)
+        tl.store(ml_ptr + out * 2, m)
+        tl.store(ml_ptr + out * 2 + 1, lsum)
 
 
 @triton.jit
@@ -99,6 +108,23 @@ def _merge(
     )
 
 
+def default_split(heads: int, slots: int, block_n: int, device: torch.device) -> int:
+    """Slots per program for ``heads = B * Hkv`` (sequence, KV head) pairs over ``slots``
+    cache slots: one split (no merge kernel) when the pairs alone fill the GPU's SMs, else
+    enough splits for about two programs per SM. On one H200 at B = 128, Hkv = 2, S = 512
+    one split took 12.2 us against 16.1 us for four, before the merge kernel was
+    dropped for one split (``benchmarks/gpu/profile_decode.py
+    --sweep``).
+    """
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 1
+    )
+    nsplit = 1 if heads >= sms else min(triton.cdiv(slots, block_n), triton.cdiv(2 * sms, heads))
+    return triton.cdiv(triton.cdiv(slots, nsplit), block_n) * block_n
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -107,7 +133,7 @@ def decode_attention(
     length: torch.Tensor,
     scale: float,
     *,
-    split: int = 128,
+    split: int | None = None,
     block_n: int = 64,
     num_warps: int = 4,
 ) -> torch.Tensor:
@@ -120,8 +146,9 @@ def decode_attention(
         length: ``(1,)`` int64 on the device: slots at and after it are skipped (every row
             must have a valid slot below it).
         scale: softmax scale (``1/sqrt(D)``).
-        split: slots per program (a multiple of ``block_n``); block_n: slots per inner step;
-            num_warps: per program of the split kernel.
+        split: slots per program (a multiple of ``block_n``); None: chosen by
+            :func:`default_split`. block_n: slots per inner step; num_warps: per program of
+            the split kernel. With one split the first kernel writes the output itself.
 
     Returns:
         ``(B, Hq, D)`` in ``q``'s dtype: ``softmax(q k^T * scale, masked) v`` per query head.
@@ -144,6 +171,8 @@ def decode_attention(
         )
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("decode_attention runs on CUDA tensors (or CPU with TRITON_INTERPRET=1)")
+    if split is None:
+        split = default_split(B * Hkv, S, block_n, q.device)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("kv_valid", kv_valid)):
@@ -152,15 +181,20 @@ def decode_attention(
     G = Hq // Hkv
     g_p2 = max(16, triton.next_power_of_2(G))  # tl.dot needs >= 16 rows
     nsplit = triton.cdiv(S, split)
-    acc = torch.empty(B * Hkv * nsplit * g_p2 * D, dtype=torch.float32, device=q.device)
-    ml = torch.empty(B * Hkv * nsplit * g_p2 * 2, dtype=torch.float32, device=q.device)
+    direct = nsplit == 1
+    n_part = 0 if direct else B * Hkv * nsplit * g_p2
+    acc = torch.empty(n_part * D, dtype=torch.float32, device=q.device)
+    ml = torch.empty(n_part * 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     valid = kv_valid.view(torch.uint8)
     _split[(B, Hkv, nsplit)](
-        q, k_cache, v_cache, valid, length, acc, ml,
+        q, k_cache, v_cache, valid, length, acc, ml, out,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], kv_valid.stride(0),
-        scale, G, nsplit, SPLIT=split, BLOCK_N=block_n, G_P2=g_p2, D=D, num_warps=num_warps,
+        out.stride(0), out.stride(1), scale, G, nsplit,
+        SPLIT=split, BLOCK_N=block_n, G_P2=g_p2, D=D, DIRECT=direct, num_warps=num_warps,
     )  # fmt: skip
+    if direct:
+        return out
     _merge[(B, Hkv)](
         acc, ml, out, out.stride(0), out.stride(1), G, nsplit,
         NS_P2=triton.next_power_of_2(nsplit), G_P2=g_p2, D=D, num_warps=4,

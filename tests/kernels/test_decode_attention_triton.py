@@ -24,10 +24,12 @@ def _reference(q, k, v, valid, scale):
     ]
 
 
+@pytest.mark.parametrize("split", [16, None])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_matches_sdpa_over_padded_and_unwritten_slots(groups: int) -> None:
+def test_matches_sdpa_over_padded_and_unwritten_slots(groups: int, split: int | None) -> None:
     """Left padding, a hole of masked slots, and slots past ``length`` holding garbage
-    (never written by a real step): the kernel must ignore all three."""
+    (never written by a real step): the kernel must ignore all three. ``split=16``: three
+    splits and the merge kernel; None: the default (one split on the CPU: no merge)."""
     g = torch.Generator().manual_seed(0)
     B, Hkv, S, D, L = 3, 2, 40, 16, 29
     q = torch.randn(B, Hkv * groups, D, generator=g).to(DEV)
@@ -41,12 +43,25 @@ def test_matches_sdpa_over_padded_and_unwritten_slots(groups: int) -> None:
     scale = 1 / math.sqrt(D)
     # split 16 -> 3 splits, the last one empty (starts at 32 >= L)
     length = torch.tensor([L], device=DEV)
-    out = decode_attention(q, k, v, valid, length, scale, split=16, block_n=16)
+    out = decode_attention(q, k, v, valid, length, scale, split=split, block_n=16)
     want = _reference(q, k, v, valid & (torch.arange(S, device=DEV) < L), scale)
     # fp32 softmax-weighted sums of O(1) values over <= 40 slots: a few ulp each on CPU; on
     # the GPU tl.dot rounds its fp32 inputs to tf32 (10-bit mantissa, 2**-11 relative)
     tol = 1e-5 if DEV == "cpu" else 4e-3
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+
+
+def test_default_split_is_one_when_the_pairs_fill_the_gpu() -> None:
+    from verl_comm.kernels.decode_attention import default_split
+
+    cpu = torch.device("cpu")  # one "SM"
+    assert default_split(6, 40, 16, cpu) == 48  # one split, rounded up to block_n
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        assert default_split(sms, 512, 64, dev) == 512
+        s = default_split(4, 4096, 64, dev)  # few pairs: about 2 programs per SM
+        assert s % 64 == 0 and 4 * -(-4096 // s) >= sms
 
 
 def test_bad_shapes_are_refused() -> None:

@@ -112,7 +112,9 @@ def _add_rms_norm_ref(
 # one Triton kernel each, which more than halves the kernels of the captured CUDA graph.
 # Same arithmetic as the eager references above (fp32 norm, HF's rotate-half RoPE).
 _rms_norm = CompiledOrEager(_rms_norm_ref)
-_add_rms_norm = CompiledOrEager(_add_rms_norm_ref)
+# inductor keeps a fused kernel's intermediates in fp32; the norm must see the residual sum
+# rounded to the weights' dtype, as the eager HF layer does (same tokens as HF's generate)
+_add_rms_norm = CompiledOrEager(_add_rms_norm_ref, options={"emulate_precision_casts": True})
 _rope = CompiledOrEager(_rope_ref)
 _silu_mul = CompiledOrEager(_silu_mul_ref)
 

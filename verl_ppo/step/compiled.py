@@ -42,13 +42,18 @@ class CompiledOrEager:
         fn: the eager function (the reference: same arithmetic).
         dynamic: ``torch.compile``'s ``dynamic`` (None: static first, dynamic on a change).
         fullgraph: refuse graph breaks.
+        options: inductor options of this function only (``torch.compile``'s ``options``).
     """
 
     def __init__(
-        self, fn: Callable[..., Any], dynamic: bool | None = None, fullgraph: bool = True
+        self,
+        fn: Callable[..., Any],
+        dynamic: bool | None = None,
+        fullgraph: bool = True,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.fn, self.compiled, self.failure = fn, None, None
-        self.dynamic, self.fullgraph = dynamic, fullgraph
+        self.dynamic, self.fullgraph, self.options = dynamic, fullgraph, options
         self.__name__ = getattr(fn, "__name__", "fn")
 
     def __call__(self, *args: Any) -> Any:
@@ -60,7 +65,9 @@ class CompiledOrEager:
         ):
             return self.fn(*args)
         if self.compiled is None:
-            self.compiled = torch.compile(self.fn, fullgraph=self.fullgraph, dynamic=self.dynamic)
+            self.compiled = torch.compile(
+                self.fn, fullgraph=self.fullgraph, dynamic=self.dynamic, options=self.options
+            )
         try:
             return self.compiled(*args)
         except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, say so
