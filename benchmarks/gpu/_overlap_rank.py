@@ -109,7 +109,7 @@ def job_config(a: argparse.Namespace, s: Setup, run_dir: str) -> dict[str, Any]:
     }
     if a.mode == "async":
         cfg["rollout"].update(
-            mode="async", n_ranks=1, max_staleness=1, sync_wire="full", dtype=a.rollout_dtype
+            mode="async", n_ranks=1, max_staleness=1, sync_wire=a.sync_wire, dtype=a.rollout_dtype
         )
         cfg["algorithm"] = {"policy_loss": "decoupled"}
     return cfg
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="{}", help="JSON fields copied into the result")
     p.add_argument("--backend", default="auto")
     p.add_argument("--rollout-dtype", default="bfloat16")
+    p.add_argument("--sync-wire", choices=("full", "delta"), default="delta")
     p.add_argument("--torch-compile", choices=("auto", "on", "off"), default="off")
     for k, d in (("prompt-len", 256), ("response-len", 256), ("rollout-batch", 128)):
         p.add_argument(f"--{k}", type=int, default=d)

@@ -1,7 +1,7 @@
 """Async rollout against colocated on one GPU (issue 31, "overlap where it can be measured").
 
 Two processes share the GPU: the training rank and the rollout rank of ``rollout.mode:
-async`` (``comm.nproc=1``, ``rollout.n_ranks=1``, ``max_staleness=1``, full wire, decoupled
+async`` (``comm.nproc=1``, ``rollout.n_ranks=1``, ``max_staleness=1``, the default delta wire, decoupled
 loss). Two processes, not two CUDA streams in one: that is the shipped async mode
 (:mod:`verl_ppo.asyncrl`), unchanged; the GPU interleaves the two processes' kernels (time
 slicing, no MPS), so the gain measured is what the shipped code gets. Their bridge groups are
@@ -64,7 +64,7 @@ def _launch(a, mode: str, workload: str, rnd: int, raw: Path, run_dir: str) -> i
     cmd += ["--warmup", str(a.warmup), "--steps", str(a.steps), "--shape", a.shape]
     cmd += ["--prompt-len", str(a.prompt_len), "--response-len", str(a.response_len)]
     cmd += ["--rollout-batch", str(a.rollout_batch), "--micro-batch", str(a.micro_batch)]
-    cmd += ["--backend", a.backend, "--rollout-dtype", a.rollout_dtype]
+    cmd += ["--backend", a.backend, "--rollout-dtype", a.rollout_dtype, "--sync-wire", a.sync_wire]
     cmd += ["--torch-compile", a.torch_compile]
     cmd += ["--model-dir", a.model_dir] if a.model_dir else []
     cmd += ["--spread", *map(str, spread)] if spread else []
@@ -130,7 +130,8 @@ def markdown(recs: list[dict]) -> str:
         f"{m['device']}, commit `{m['commit']}`{' (dirty)' if m['dirty'] else ''}, "
         f"{m['date'][:16]}. Shape {m['shape']}, {m['rollout_batch']} sequences x "
         f"{m['prompt_len']}-token prompts; {m['warmup']} warm-up + {m['steps']} timed steps per "
-        "launch; async: 1 training + 1 rollout process, max_staleness 1, full wire, "
+        "launch; async: 1 training + 1 rollout process, max_staleness 1, "
+        f"{m['async_overrides']['rollout.sync_wire']} wire, "
         "gloo bridge (host-staged), decoupled loss; both modes: "
         + ", ".join(f"`{k}={v}`" for k, v in m["overrides"].items())
         + ". spread: EOS forced per prompt at a length uniform in the range.",
@@ -170,6 +171,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto")
     p.add_argument("--rollout-dtype", default="bfloat16")
     p.add_argument(
+        "--sync-wire", choices=("full", "delta"), default="delta",
+        help="rollout.sync_wire of the async mode (default: the config's default, delta; the "
+        "smoke run's fp32 rollout needs full)",
+    )  # fmt: skip
+    p.add_argument(
         "--torch-compile", choices=("auto", "on", "off"), default="off",
         help="train.torch_compile of both modes (off: its compilations would take most of a "
         "launch, and their late recompiles land in timed steps; named in the records)",
@@ -183,6 +189,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     if a.smoke:
         a.shape, a.prompt_len, a.response_len, a.rollout_batch, a.micro_batch = "tiny", 8, 4, 4, 2
         a.rounds, a.steps, a.backend, a.rollout_dtype = 1, 1, "gloo", "float32"
+        a.sync_wire = "full"  # delta needs a bf16 rollout
     return a
 
 
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "async_overrides": {
             "rollout.n_ranks": 1,
             "rollout.max_staleness": 1,
-            "rollout.sync_wire": "full",
+            "rollout.sync_wire": a.sync_wire,
             "rollout.dtype": a.rollout_dtype,
             "algorithm.policy_loss": "decoupled",
         },
