@@ -142,6 +142,9 @@ def floor_record(s: Setup, world: int, base: dict[str, Any]) -> dict[str, Any] |
         },
         "system": "floor",
         "variant": "model shape at 100% of peak",
+        "shape": s.shape if s.layers is None else f"{s.shape}, {s.layers} layers",
+        "prompt_len": s.prompt_len,
+        "response_len": s.response_len,
         "world_size": world,
         "metric": "tokens_per_s_per_gpu",
         "value": tokens / step / world,
@@ -202,6 +205,14 @@ def _micro_batch_fields(system: str, s: Setup, token_budget: int | None) -> dict
     }
 
 
+def _workload(r: dict[str, Any], by_date: dict[str, tuple]) -> tuple:
+    """``(shape, prompt_len, response_len)`` of a record; a floor record without them takes
+    those of the launch that wrote it (same ``date``)."""
+    if r.get("shape") is not None:
+        return (r["shape"], r.get("prompt_len"), r.get("response_len"))
+    return by_date.get(r.get("date"), ("?", None, None))
+
+
 def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
     """Write ``out/ppo_throughput.md`` from the JSON lines of one run (``run_id``; default:
     that of the last record) and append a ``speedup_vs_trl`` record (ours with default
@@ -209,10 +220,28 @@ def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
     (writing the report again adds nothing); returns that record or None.
 
     Tables: every system and variant next to TRL and the floor of the model shape; then,
-    for ours, MFU, TFLOP/s and peak memory per phase; then the targets as measured."""
+    for ours, MFU, TFLOP/s and peak memory per phase; then the targets as measured. A run
+    over several workloads (shape, prompt and response lengths) gets a section each."""
     recs = [json.loads(x) for x in (out / f"{BENCH}.jsonl").read_text().splitlines() if x]
     run_id = run_id or next((r.get("run_id") for r in reversed(recs) if r.get("run_id")), None)
     recs = [r for r in recs if r.get("run_id") == run_id]
+    by_date = {r["date"]: _workload(r, {}) for r in recs if r.get("shape") is not None}
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in recs:
+        groups.setdefault(_workload(r, by_date), []).append(r)
+    lines, speed = [f"# {BENCH}", "", f"run_id `{run_id}`", ""], None
+    for (shape, p_len, r_len), group in groups.items():
+        if len(groups) > 1:
+            lines += [f"## {shape}, prompt {p_len} + response {r_len} tokens", ""]
+        body, sp = _report(out, group)
+        lines += body
+        speed = speed or sp
+    (out / f"{BENCH}.md").write_text("\n".join(lines) + "\n")
+    return speed
+
+
+def _report(out: Path, recs: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any] | None]:
+    """The tables of one workload's records (see :func:`write_report`)."""
     last: dict[tuple, dict[str, Any]] = {}
     for r in recs:
         if r["metric"] != "speedup_vs_trl":
@@ -227,8 +256,7 @@ def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
     trl = get(("trl_ppo", "tuned", "tokens_per_s_per_gpu", None)) or get(
         ("trl_ppo", "default", "tokens_per_s_per_gpu", None)
     )
-    lines = [f"# {BENCH}", "", f"run_id `{run_id}`", ""]
-    lines += _systems_table(last, rows, trl)
+    lines = _systems_table(last, rows, trl)
     real = [k for k in rows if k[0] != "floor"]
     ours = [k for k in real if k[0] == "verl_ppo"]
     if ours:
@@ -246,8 +274,7 @@ def write_report(out: Path, run_id: str | None = None) -> dict[str, Any] | None:
         ):
             append_records(out, [speed])
         lines += _targets(last, trl, speed)
-    (out / f"{BENCH}.md").write_text("\n".join(lines) + "\n")
-    return speed
+    return lines, speed
 
 
 def _systems_table(last: dict[tuple, dict], rows: list[tuple], trl: dict | None) -> list[str]:

@@ -7,7 +7,8 @@
 # PREV_COMMIT as its commit: the before/after comparison.
 #   source benchmarks/gpu/setup.sh; VERL_COMMIT=<sha> VERL_DIRTY=0 \
 #     [PREV=.whl/prev PREV_COMMIT=<sha>] bash benchmarks/gpu/ppo_shapes.sh OUTDIR
-# Writes OUTDIR/ppo_throughput.jsonl (all records, one run_id) and OUTDIR/shapes.log.
+# Writes OUTDIR/ppo_throughput.jsonl (all records, one run_id), its report
+# OUTDIR/ppo_throughput_shapes.md (benchmarks/ppo_throughput.py --report) and OUTDIR/shapes.log.
 set -u -o pipefail
 OUT=${1:?usage: bash benchmarks/gpu/ppo_shapes.sh OUTDIR}
 mkdir -p "$OUT"
@@ -32,5 +33,6 @@ for shape in deep wide; do
   [ -n "${PREV:-}" ] && run "$PREV" "${PREV_COMMIT:?PREV needs PREV_COMMIT}" "${shape}_before" "${args[@]}"
   run . "$VERL_COMMIT" "$shape" "${args[@]}"
 done
-grep -h '"metric": "tokens_per_s_per_gpu"' "$OUT/ppo_throughput.jsonl" | tee -a "$OUT/shapes.log"
+python3 benchmarks/ppo_throughput.py --report --run-id "$VERL_RUN_ID" --out "$OUT" >>"$OUT/shapes.log" 2>&1
+mv "$OUT/ppo_throughput.md" "$OUT/ppo_throughput_shapes.md"  # one section per shape
 exit $FAILED

@@ -225,8 +225,10 @@ def resolve(cfg: Any, cuda: bool, model: Any) -> ResolvedJob:
         on[s.key], reasons[s.key] = _switch(value, s.blocked(cfg, facts, value == "auto"))
     if on["rollout.use_cuda_graph"]:
         reasons["rollout.use_cuda_graph"] += (
-            "; RMSNorm, RoPE and SiLU-mul of the decode step fused by torch.compile "
-            "(eager if compilation fails, logged)"
+            "; decode step: residual add + RMSNorm and SiLU-mul fused by torch.compile (eager "
+            "if compilation fails, logged), RoPE + KV-cache write and split-K attention as "
+            "Triton kernels, q/k/v and gate/up as one GEMM each (fused copies, when they fit "
+            "in 1/8 of free memory)"
         )
     if on["train.torch_compile"]:
         reasons["train.torch_compile"] += (
