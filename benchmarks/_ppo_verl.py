@@ -58,17 +58,13 @@ def _kernel_profiler(s: Setup) -> Any:
     return profile(activities=acts, on_trace_ready=write)
 
 
-def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
-    """Time ``s.warmup + s.steps`` steps of :class:`verl_ppo.PPOTrainer`; returns per-step
-    dicts ``{"step_s", "phases": {name: s}, "trainer_tokens_per_s_per_gpu", ...}`` (all
-    ranks hold the same values).
-
-    Raises:
-        RuntimeError: non-finite metrics, or responses/prompts not of the fixed lengths.
-    """
-    from verl_ppo import PPOTrainer
-
-    cfg = {
+def verl_config(s: Setup, run_dir: str) -> dict[str, Any]:
+    """The trainer config of the fixed-length workload (``s.overrides`` not applied: the
+    trainer takes them as dotted overrides): no eval, prompts padded to ``s.prompt_len``,
+    ``s.response_len`` tokens per response (``ignore_eos``), one PPO mini-batch per rollout
+    batch, ``s.warmup + s.steps`` steps, never resumed. A fresh dict the caller may extend
+    (``benchmarks/gpu/_overlap_rank.py`` adds its async keys)."""
+    return {
         "seed": s.seed,
         "run_dir": run_dir,
         "model": {"path": s.model_dir, "tiny": s.model_fields()},
@@ -86,6 +82,19 @@ def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
             "resume": "never",
         },
     }
+
+
+def run_verl(s: Setup, run_dir: str) -> list[dict[str, Any]]:
+    """Time ``s.warmup + s.steps`` steps of :class:`verl_ppo.PPOTrainer`; returns per-step
+    dicts ``{"step_s", "phases": {name: s}, "trainer_tokens_per_s_per_gpu", ...}`` (all
+    ranks hold the same values).
+
+    Raises:
+        RuntimeError: non-finite metrics, or responses/prompts not of the fixed lengths.
+    """
+    from verl_ppo import PPOTrainer
+
+    cfg = verl_config(s, run_dir)
     tok = load_tokenizer(s.model_dir)
     task = FixedLengthTask(fixed_length_prompts(tok, s.rollout_batch, s.prompt_len, s.seed))
     trainer = PPOTrainer(cfg, **s.overrides)

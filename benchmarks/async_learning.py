@@ -50,8 +50,9 @@ EQUAL_TOL = 1e-6
 EQUAL_STEPS = 5
 EQUAL_CONFIG = "configs/tiny.yaml"
 EQUAL_BASE = ["data.eval_size=0", "train.export_critic=true"]
-# the batches generated with the weights of the step that trains on them, in fp32 (what
-# the colocated mode generates with on the CPU), sent whole: the same computation
+# 2 training + 2 rollout ranks; the batches generated with the weights of the step that
+# trains on them, in fp32 (what the colocated mode generates with on the CPU), sent whole:
+# the same computation (also tests/verl_ppo/test_async_rollout.py's staleness-0 overrides)
 ON_POLICY = [
     "rollout.mode=async",
     "rollout.n_ranks=2",

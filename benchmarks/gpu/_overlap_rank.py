@@ -29,7 +29,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH_DIR))  # the ppo_throughput helper modules
 from _ppo_env import _sync  # noqa: E402
-from _ppo_verl import _task_replaced, check_log_probs_vs_hf  # noqa: E402
+from _ppo_verl import _task_replaced, check_log_probs_vs_hf, verl_config  # noqa: E402
 from _ppo_workload import FixedLengthTask, Setup, fixed_length_prompts, load_tokenizer  # noqa: E402
 
 
@@ -86,27 +86,14 @@ def forced_lengths(lo: int, hi: int, seed: int):
 
 
 def job_config(a: argparse.Namespace, s: Setup, run_dir: str) -> dict[str, Any]:
-    """:func:`_ppo_verl.run_verl`'s config, plus the async keys in ``--mode async``."""
-    spread = a.spread is not None
-    cfg: dict[str, Any] = {
-        "seed": s.seed,
-        "run_dir": run_dir,
-        "model": {"path": s.model_dir, "tiny": s.model_fields()},
-        "data": {"eval_size": 0, "max_prompt_length": s.prompt_len, "pad_prompt_to": s.prompt_len},
-        "rollout": {
-            "max_new_tokens": a.spread[1] if spread else s.response_len,
-            "ignore_eos": not spread,
-        },
-        "train": {
-            "num_steps": s.warmup + s.steps,
-            "rollout_batch_size": s.rollout_batch,
-            "ppo_mini_batch_size": s.rollout_batch,
-            "micro_batch_size": s.micro_batch,
-            "resume": "never",
-            "torch_compile": {"auto": "auto", "on": True, "off": False}[a.torch_compile],
-        },
-        "comm": {"nproc": 1, "backend": a.backend},
-    }
+    """:func:`_ppo_verl.verl_config` (``run_verl``'s config) with ``--spread``'s response
+    cap (EOS then not ignored), ``--torch-compile`` and one training process on
+    ``--backend``, plus the async keys in ``--mode async``."""
+    cfg = verl_config(s, run_dir)
+    if a.spread is not None:
+        cfg["rollout"].update(max_new_tokens=a.spread[1], ignore_eos=False)
+    cfg["train"]["torch_compile"] = {"auto": "auto", "on": True, "off": False}[a.torch_compile]
+    cfg["comm"] = {"nproc": 1, "backend": a.backend}
     if a.mode == "async":
         cfg["rollout"].update(
             mode="async", n_ranks=1, max_staleness=1, sync_wire=a.sync_wire, dtype=a.rollout_dtype

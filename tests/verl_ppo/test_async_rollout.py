@@ -13,20 +13,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from benchmarks.async_learning import ON_POLICY  # 2 + 2 ranks at staleness 0, fp32, full wire
 from tests.verl_ppo._run import ROOT, run_job
 
 pytestmark = pytest.mark.timeout(900)
 
 BASE = ["--config", "configs/tiny.yaml", "data.eval_size=0", "train.export_critic=true"]
-# 2 training + 2 rollout ranks; fp32 rollout weights (what the colocated mode generates
-# with on the CPU) on the full wire, generated with the weights of the step being trained
-ON_POLICY = [
-    "rollout.mode=async",
-    "rollout.n_ranks=2",
-    "rollout.max_staleness=0",
-    "rollout.dtype=float32",
-    "rollout.sync_wire=full",
-]
 # one step off policy on one TP2 rollout group (bf16 delta wire, the defaults)
 ONE_OFF = [
     "rollout.mode=async",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests._models import left_padded_prompts, tiny_causal_lm
+from tests.verl_ppo._decoders import assert_decoders_match_generate
 from verl_ppo.rollout.cuda_graph import StaticCacheDecoder, decoder_for
 from verl_ppo.rollout.generate import generate
 
@@ -112,12 +113,7 @@ def test_cuda_graph_matches_eager_static_and_generate():
     ids, mask = left_padded_prompts(**PROMPTS, device="cuda")
     eager = StaticCacheDecoder(m, max_seq_len=20, use_cuda_graph=False)
     graph = StaticCacheDecoder(m, max_seq_len=20, use_cuda_graph=True)
-    for sample in (False, True):
-        kw = dict(max_new_tokens=10, eos_token_id=-1, pad_token_id=0, do_sample=sample)
-        a = eager.generate(ids, mask, generator=torch.Generator("cuda").manual_seed(1), **kw)
-        b = graph.generate(ids, mask, generator=torch.Generator("cuda").manual_seed(1), **kw)
-        c = generate(m, ids, mask, generator=torch.Generator("cuda").manual_seed(1), **kw)
-        assert torch.equal(a, b) and torch.equal(a, c)
+    assert_decoders_match_generate(m, {"eager": eager, "graph": graph}, ids, mask, 10)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from tests._models import left_padded_prompts, tiny_causal_lm
+from tests.verl_ppo._decoders import assert_decoders_match_generate
 from verl_ppo.rollout.cuda_graph import StaticCacheDecoder
-from verl_ppo.rollout.generate import generate
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode kernels need CUDA"),
@@ -73,9 +73,4 @@ def test_fused_decode_equals_sdpa_decode_and_hf_generate_in_bf16(graph):
     plain = StaticCacheDecoder(m, max_seq_len=64, use_cuda_graph=graph)
     assert fused.tp_model.decode_kernel
     plain.tp_model.decode_kernel = False
-    for sample in (False, True):
-        kw = dict(max_new_tokens=12, eos_token_id=-1, pad_token_id=0, do_sample=sample)
-        a = fused.generate(ids, mask, generator=torch.Generator("cuda").manual_seed(1), **kw)
-        b = plain.generate(ids, mask, generator=torch.Generator("cuda").manual_seed(1), **kw)
-        c = generate(m, ids, mask, generator=torch.Generator("cuda").manual_seed(1), **kw)
-        assert torch.equal(a, b) and torch.equal(a, c)
+    assert_decoders_match_generate(m, {"fused": fused, "sdpa": plain}, ids, mask, 12)

@@ -31,7 +31,6 @@ import torch
 from verl_comm.kernels import (
     dequant_sum_requant,
     dequantize,
-    pack,
     packed_nbytes,
     padded_numel,
     quantize,
@@ -151,7 +150,8 @@ def int8_allreduce(
         return ReduceResult(out, 0, torch.ones((), dtype=torch.bool, device=x.device))
     x = x.reshape(-1)
     if x.is_cuda:  # device memory: one pass, fewest launches (captured as a CUDA graph)
-        return _reduce_whole(x, coll, block, residual, average, out)
+        res = None if residual is None else residual.view(-1)
+        return _reduce_slice(x, coll, block, res, average, out)
     unit = w * block
     total = packed_nbytes(padded_numel(n, block, multiple=w), block)
     slice_bytes = max(HOST_MIN_SLICE_BYTES, -(-total // HOST_SLICES))
@@ -167,45 +167,6 @@ def int8_allreduce(
     return ReduceResult(out, sent, finite)
 
 
-def _reduce_whole(
-    x: torch.Tensor,
-    coll: Collective,
-    block: int,
-    residual: torch.Tensor | None,
-    average: bool,
-    out: torch.Tensor,
-) -> ReduceResult:
-    """The two-step int8 all-reduce of ``x`` into ``out`` in one pass of each kernel."""
-    n = x.numel()
-    w = coll.world_size
-    n_pad = padded_numel(n, block, multiple=w)
-    m = n_pad // w
-    if residual is None:
-        codes, scales = quantize(x, block, pad_to=n_pad)
-    else:  # residual in x's dtype, fp32, or bf16 for fp32 x: updated in place by the kernel
-        codes, scales = quantize_ef(x, residual.view(-1), block, pad_to=n_pad)
-    # Transient memory (issue 18): each byte buffer is dropped as soon as the next one
-    # exists, so at most the send and receive buffers (2 x the codes and scales) are alive
-    # at once; the references and kernels keep their fp32 work to a few chunks.
-    sent0 = coll.bytes_sent
-    send = pack(codes.view(w, m), scales.view(w, m // block))
-    del codes, scales
-    recv = torch.empty_like(send)
-    coll.all_to_all_single(recv.view(-1), send.view(-1))
-    del send
-    own_codes, own_scales = dequant_sum_requant(*unpack(recv, block), block)
-    del recv
-    mine = pack(own_codes, own_scales)
-    del own_codes, own_scales
-    gathered = torch.empty(w, mine.numel(), dtype=torch.uint8, device=x.device)
-    coll.all_gather_into_tensor(gathered.view(-1), mine)
-    del mine
-    g_codes, g_scales = unpack(gathered, block)
-    dequantize(g_codes, g_scales, block, scale=1.0 / w if average else 1.0, numel=n, out=out)
-    finite = torch.isfinite(g_scales).all()
-    return ReduceResult(out, coll.bytes_sent - sent0, finite)
-
-
 def _reduce_slice(
     x: torch.Tensor,
     coll: Collective,
@@ -213,15 +174,24 @@ def _reduce_slice(
     residual: torch.Tensor | None,
     average: bool,
     out: torch.Tensor,
-    step: int,
+    step: int | None = None,
 ) -> ReduceResult:
-    """As :func:`_reduce_whole`, with every kernel call on at most ``step`` elements (a
-    multiple of ``block``), writing codes and scales straight into the send and all-gather
-    buffers (no separate pack copies); the same bits."""
+    """The two-step int8 all-reduce of ``x`` into ``out``, every kernel call on at most
+    ``step`` elements (a multiple of ``block``; None: one call per kernel, the device path,
+    fewest launches), codes and scales written straight into the send and all-gather
+    buffers. Blocks keep their positions, so the bits do not depend on ``step``.
+
+    Transient memory (issue 18): the quantized codes and scales of a call exist beside the
+    send buffer until they are copied into it, and the owner's results are packed after
+    the receive buffer is dropped, so at most the send and receive buffers (2 x the codes
+    and scales) are alive at once; the references and kernels keep their fp32 work to a
+    few chunks.
+    """
     n = x.numel()
     w = coll.world_size
     n_pad = padded_numel(n, block, multiple=w)
     m = n_pad // w
+    step = n_pad if step is None else step
     sent0 = coll.bytes_sent
     send = torch.empty(w, packed_nbytes(m, block), dtype=torch.uint8, device=x.device)
     codes, scales = unpack(send, block)
@@ -233,44 +203,55 @@ def _reduce_slice(
         else:  # residual in x's dtype, fp32, or bf16 for fp32 x: updated in place
             c, s = quantize_ef(x[lo:end], residual[lo:end], block, pad_to=hi - lo)
         _put(codes, scales, lo, c, s, m, block)
+        del c, s
     recv = torch.empty_like(send)
     coll.all_to_all_single(recv.view(-1), send.view(-1))
     del send, codes, scales
     rc, rs = unpack(recv, block)
+    spans = [(lo, min(lo + step, m)) for lo in range(0, m, step)]
+    parts = [
+        dequant_sum_requant(rc[:, a:b], rs[:, a // block : b // block], block) for a, b in spans
+    ]
+    del recv, rc, rs
     mine = torch.empty(packed_nbytes(m, block), dtype=torch.uint8, device=x.device)
     mc, ms = unpack(mine, block)
-    for lo in range(0, m, step):
-        hi = min(lo + step, m)
-        mc[lo:hi], ms[lo // block : hi // block] = dequant_sum_requant(
-            rc[:, lo:hi], rs[:, lo // block : hi // block], block
-        )
-    del recv, rc, rs
+    for (a, b), (c, s) in zip(spans, parts):
+        mc[a:b], ms[a // block : b // block] = c, s
+    del parts
     gathered = torch.empty(w, mine.numel(), dtype=torch.uint8, device=x.device)
     coll.all_gather_into_tensor(gathered.view(-1), mine)
     del mine, mc, ms
     g_codes, g_scales = unpack(gathered, block)
     scale = 1.0 / w if average else 1.0
-    for r in range(w):
-        for lo in range(0, m, step):
-            a, b = r * m + lo, min(r * m + min(lo + step, m), n)
+    rows, span = max(1, step // m), min(step, m)  # a call: whole rows, or part of one row
+    for r in range(0, w, rows):
+        r_end = min(r + rows, w)
+        for lo in range(0, m, span):
+            hi = min(lo + span, m)
+            a, b = r * m + lo, min((r_end - 1) * m + hi, n)
             if b > a:
-                hi = lo + (b - a + block - 1) // block * block
-                dequantize(g_codes[r, lo:hi], g_scales[r, lo // block : hi // block], block,
-                           scale=scale, numel=b - a, out=out[a:b])  # fmt: skip
+                dequantize(g_codes[r:r_end, lo:hi], g_scales[r:r_end, lo // block : hi // block],
+                           block, scale=scale, numel=b - a, out=out[a:b])  # fmt: skip
     finite = torch.isfinite(g_scales).all()
     return ReduceResult(out, coll.bytes_sent - sent0, finite)
 
 
 def _put(codes, scales, lo: int, c: torch.Tensor, s: torch.Tensor, m: int, block: int) -> None:
     """Write the codes ``c`` and scales ``s`` of flat elements ``[lo, lo + len(c))`` into
-    the per-rank rows (``(W, M)`` codes, ``(W, M / B)`` scales) of a packed send buffer."""
+    the per-rank rows (``(W, M)`` codes, ``(W, M / B)`` scales) of a packed send buffer:
+    whole rows with one copy of codes and one of scales, parts of a row one at a time."""
     k = 0
     while k < c.numel():
-        i = lo + k
-        r, col = divmod(i, m)
-        take = min(c.numel() - k, m - col)
-        codes[r, col : col + take] = c[k : k + take]
-        scales[r, col // block : (col + take) // block] = s[k // block : (k + take) // block]
+        r, col = divmod(lo + k, m)
+        rows = (c.numel() - k) // m if col == 0 else 0
+        if rows:
+            take = rows * m
+            codes[r : r + rows] = c[k : k + take].view(rows, m)
+            scales[r : r + rows] = s[k // block : (k + take) // block].view(rows, m // block)
+        else:
+            take = min(c.numel() - k, m - col)
+            codes[r, col : col + take] = c[k : k + take]
+            scales[r, col // block : (col + take) // block] = s[k // block : (k + take) // block]
         k += take
 
 
