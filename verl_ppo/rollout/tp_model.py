@@ -161,6 +161,14 @@ class FusedProjections:
     gate_up_b: torch.Tensor | None
 
 
+def _fused_bias(weights: list, biases: list) -> torch.Tensor | None:
+    """A zero bias for a fused group, None when no member has one (a missing bias of a
+    partly biased group stays 0: ``F.linear`` adds exactly nothing there)."""
+    if all(b is None for b in biases):
+        return None
+    return weights[0].new_zeros(sum(t.shape[0] for t in weights))
+
+
 class KVCache:
     """A static KV cache: per layer ``(batch, local_kv_heads, max_len, head_dim)``.
 
@@ -270,15 +278,12 @@ class TPCausalLM:
             reuse = []
             for i in range(self.dims.num_layers):
                 qkv, qkv_b, gu, gu_b = self._fused_sources(i)
-
-                def _bias(ws: list, bs: list) -> torch.Tensor | None:
-                    if all(b is None for b in bs):
-                        return None  # a missing bias of a partly biased group stays 0
-                    return ws[0].new_zeros(sum(t.shape[0] for t in ws))
-
                 reuse.append(
                     FusedProjections(
-                        torch.cat(qkv), _bias(qkv, qkv_b), torch.cat(gu), _bias(gu, gu_b)
+                        torch.cat(qkv),
+                        _fused_bias(qkv, qkv_b),
+                        torch.cat(gu),
+                        _fused_bias(gu, gu_b),
                     )
                 )
         self.fused = reuse
