@@ -143,6 +143,27 @@ def test_report_claims_against_tuned_trl_and_states_micro_batches(tmp_path):
     assert "TRL (tuned)" in md
 
 
+def test_report_gives_each_workload_of_a_run_its_own_section_and_floor(tmp_path):
+    """benchmarks/gpu/ppo_shapes.sh: two shapes in one run; a floor record without a shape
+    (older records) belongs to the launch that wrote it (same date)."""
+    recs = []
+    for shape, date, ours, floor in (("deep", "d1", 1000.0, 4000.0), ("wide", "d2", 900.0, 1800.0)):
+        run = {**_rec("verl_ppo", "tokens_per_s_per_gpu", ours), "shape": shape, "date": date}
+        step = {**_rec("verl_ppo", "step_time_s", 1.0), "shape": shape, "date": date}
+        fl = {**_rec("floor", "tokens_per_s_per_gpu", floor), "date": date}
+        fl.update(variant="model shape at 100% of peak", step_s=1.0, model_flops_s=0.5)
+        fl.update(gen_floor_s=0.5)
+        for k in ("shape", "prompt_len", "response_len"):
+            del fl[k]
+        recs += [run, step, fl]
+    bench.append_records(tmp_path, recs)
+    bench.write_report(tmp_path)
+    md = (tmp_path / "ppo_throughput.md").read_text()
+    deep, wide = md.split("## wide")
+    assert "## deep, prompt 256 + response 256 tokens" in deep
+    assert "| 25% |" in deep and "| 50% |" in wide  # 1000 / 4000 and 900 / 1800
+
+
 def test_micro_batch_fields_as_run():
     from _ppo_records import _micro_batch_fields
 
