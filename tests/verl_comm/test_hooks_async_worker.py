@@ -344,14 +344,14 @@ def scenario_state_dict_in_flight(rank, world, tmp):
 
 
 def scenario_auto_measure(rank, world, tmp, steps=4):
-    """``policy: auto`` on the worker: backward spends 0.3 s between bucket 0 and bucket 1
-    on every step. Logs when each hook was called and when each bucket's reduction started
+    """``policy: auto`` on the worker: backward spends 0.3 s (rank 0; 0.6 s on the others)
+    between bucket 0 and bucket 1 on every step. Logs when each hook was called and when each bucket's reduction started
     (``_core.run_path``), per iteration; returns them with the decisions taken."""
     from verl_comm.hooks import _core, make_hook
 
     torch.manual_seed(0)
     model = _Two()
-    model.mid = lambda: time.sleep(0.3)
+    model.mid = lambda: time.sleep(0.3 if rank == 0 else 0.6)
     hook, state = make_hook(_cfg("int8", policy="auto", bucket_cap_mb=0.01), timeout_s=60)
     hooks, starts = [], []
 

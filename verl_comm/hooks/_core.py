@@ -292,11 +292,14 @@ def policy_decision(
 
         compute.append(time_call(run, buf.device))
     state.generator.set_state(saved_rng)
+    # compute: the slowest rank's; shadow: the least backward any rank had left (the bucket's
+    # collective starts when the last rank is ready, so no rank hides more than its own)
     agreed = torch.tensor(
-        [*compute, state.shadow_of(index)], dtype=torch.float64, device=buf.device
+        [*compute, -state.shadow_of(index)], dtype=torch.float64, device=buf.device
     )
     coll.all_reduce_max(agreed)
-    *compute_s, shadow_s = (float(v) for v in agreed.tolist())
+    *compute_s, neg_shadow = (float(v) for v in agreed.tolist())
+    shadow_s = -neg_shadow
     options = {}
     for m, c in zip(names, compute_s):
         wire, calls = compressed_wire(state, bs, m, buf, w)

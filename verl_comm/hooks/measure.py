@@ -3,12 +3,16 @@
 :func:`~verl_comm.compression.policy.choose_method` places each bucket's chain on a timeline
 that starts when its gradients are ready, ``shadow_s`` before the end of backward. The
 shadows are taken on one step from the times the hooks are called
-(:meth:`CommHookState.mark_ready`). If that step's transfers run meanwhile, on a CPU host
-they share the cores with backward and stretch it: on the shaped-link benchmark
-(``benchmarks/slow_link_hooks.sh``, 2 gloo ranks on 2 cores) the policy then saw
-plain all-reduces as hidden that were not (``benchmarks/slow_link_trace.py`` prints the
-shadows it measured). So on the measurement step every bucket's reduction waits until
-the last bucket's hook has been called:
+(:meth:`CommHookState.mark_ready`). They used to come from the step before the decisions:
+DDP's first step (its bucket layout before the rebuild, first-call costs), with that step's
+plain all-reduces in flight, which on a CPU host share the cores with backward. On the
+shaped-link benchmark (``benchmarks/slow_link_hooks.sh``, 2 gloo ranks on 2 cores,
+1 Gbit/s; ``benchmarks/slow_link_trace.py``) bucket 0's shadow read about 330 ms there,
+against 104 ms on a later step of the same run and 138 ms on this measurement step, so the
+policy predicted bucket 0's plain all-reduce (285 ms) to end 47 ms before backward did and
+kept it plain. So the shadows are taken at ``start_iter`` (DDP's buckets rebuilt), and on
+that measurement step every bucket's reduction waits until the last bucket's hook has been
+called:
 
 * on the gloo worker (:mod:`verl_comm.hooks.worker`) each job of the step first waits on a
   :class:`threading.Event` that the last bucket's hook sets; the hooks return their Futures
