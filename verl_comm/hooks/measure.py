@@ -7,10 +7,10 @@ shadows are taken on one step from the times the hooks are called
 DDP's first step (its bucket layout before the rebuild, first-call costs), with that step's
 plain all-reduces in flight, which on a CPU host share the cores with backward. On the
 shaped-link benchmark (``benchmarks/slow_link_hooks.sh``, 2 gloo ranks on 2 cores,
-1 Gbit/s; ``benchmarks/slow_link_trace.py``) bucket 0's shadow read about 330 ms there,
-against 104 ms on a later step of the same run and 138 ms on this measurement step, so the
-policy predicted bucket 0's plain all-reduce (285 ms) to end 47 ms before backward did and
-kept it plain. So the shadows are taken at ``start_iter`` (DDP's buckets rebuilt), and on
+1 Gbit/s; ``benchmarks/slow_link_trace.py``, ``benchmarks/results/slow_link_trace_auto.txt``)
+bucket 0's shadow read about 330 ms there, against 104 ms on a later step of the same run
+and 138 ms on this measurement step, so the policy predicted bucket 0's plain all-reduce
+(285 ms) to end 47 ms before backward did and kept it plain. So the shadows are taken at ``start_iter`` (DDP's buckets rebuilt), and on
 that measurement step every bucket's reduction waits until the last bucket's hook has been
 called:
 
