@@ -264,14 +264,24 @@ class CommHookState:
         Raises:
             TimeoutError: buckets still in flight on the worker after ``timeout_s``.
         """
-        if self._worker is not None:
-            self._worker.drain(self.timeout_s)
+        self._drain_worker()
         self._resolve(block=True)
+
+    def _drain_worker(self) -> None:
+        """Wait for the worker's jobs; on policy auto's measurement step first release the
+        jobs held for the step's last bucket (a flush or state_dict inside backward would
+        otherwise wait for a hook that comes only after it; that step's shadows then include
+        transfers)."""
+        if self._worker is None:
+            return
+        if self._gate is not None:
+            self._gate.set()
+        self._worker.drain(self.timeout_s)
 
     def close(self) -> None:
         """Stop the worker thread (idempotent); the state can still be saved."""
         if self._worker is not None:
-            self._worker.drain(self.timeout_s)
+            self._drain_worker()
             self._worker.close()
             self._worker = None
 
@@ -477,8 +487,7 @@ class CommHookState:
     def _quiesce(self) -> None:
         """No bucket in flight: drain the worker, order the current stream after the side
         streams (device-side wait, no host sync)."""
-        if self._worker is not None:
-            self._worker.drain(self.timeout_s)
+        self._drain_worker()
         for dev, stream in self._streams.items():
             torch.cuda.current_stream(dev).wait_stream(stream)
 
