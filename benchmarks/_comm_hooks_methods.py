@@ -27,8 +27,9 @@ METHODS = (
     "ours_bf16", "ours_int8", "ours_lowrank_int8_r32", "ours_lowrank_int8_r64",
     "ours_lowrank_int8_r128", "ours_auto", "reducer_none", "reducer_int8",
 )  # fmt: skip
-"""The default set (issue 21's run); ``torch_fp16``, ``torch_powersgd_r<N>`` and
-``ours_lowrank_int8_r<N>`` for any N can be asked for with ``--methods``."""
+"""The default set (issue 21's run); ``torch_fp16``, ``torch_powersgd_r<N>``,
+``ours_lowrank_int8_r<N>`` and ``ours_auto_r<N>`` (``ours_auto`` at rank N) for any N can be
+asked for with ``--methods``."""
 BOUNDS = {
     "none": 1e-6,
     "torch_allreduce": 1e-6,
@@ -52,7 +53,10 @@ def ours_fields(name: str) -> dict | None:
     if name in REDUCER:
         return REDUCER[name]
     r = _rank_of(name, "ours_lowrank_int8_r")
-    return None if r is None else {"gradient_compression": "int8", "compression_rank": r}
+    if r is not None:
+        return {"gradient_compression": "int8", "compression_rank": r}
+    r = _rank_of(name, "ours_auto_r")  # policy auto, low rank r the lossiest path it may take
+    return None if r is None else {**OURS_FIXED["ours_auto"], "compression_rank": r}
 
 
 def ours_config(name: str, bucket_cap_mb: float = 25.0):
@@ -84,7 +88,7 @@ def bound_of(method: str) -> float | None:
         return None
     if method in BOUNDS:
         return BOUNDS[method]
-    if "powersgd" in method or "lowrank" in method or method == "ours_auto":
+    if "powersgd" in method or "lowrank" in method or method.startswith("ours_auto"):
         return BOUNDS["lowrank"]
     return BOUNDS["bf16"] if ("bf16" in method or "fp16" in method) else BOUNDS["int8"]
 

@@ -13,7 +13,8 @@ Methods (one model + optimizer + hook state each, all alive at once, same seed):
   ``torch_fp16`` (``fp16_compress_hook``), ``torch_powersgd_r<N>`` (``powerSGD_hook``:
   start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True, warm_start=True);
 * ``ours_bf16``, ``ours_int8``, ``ours_lowrank_int8_r<N>``, ``ours_auto`` (int8 low rank
-  r64 with ``policy: auto``), registered as a user does: ``verl_comm.hooks.
+  r64 with ``policy: auto``; ``ours_auto_r<N>`` at rank N; its ``step_time`` record carries
+  ``auto_choice``: the path it took per bucket and the predicted ends behind it), registered as a user does: ``verl_comm.hooks.
   register_comm_hook(ddp, CompressionConfig(...))`` with only the fields the method names
   (so error statistics are off, the library's default);
 * ``reducer_none`` / ``reducer_int8``: no DDP, the same hooks through
@@ -274,6 +275,12 @@ def _time_rounds(
             step_ms = _timed(m, x)
             m.probe.on = False
             extra[n]["probe"] = (step_ms, intervals.total(m.probe.spans) * 1e3)
+    for n in timed:  # policy auto: what it chose per bucket and why (the same on every rank)
+        st = methods[n].state
+        if getattr(getattr(st, "config", None), "policy", None) == "auto":
+            from verl_comm.compression.policy import describe_choices
+
+            extra[n]["auto_choice"] = describe_choices(st.buckets)
     return times, extra
 
 
@@ -352,6 +359,7 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
         f"bucket_cap_mb={args.bucket_cap_mb:g}",
         "rounds": rounds,
         "warmup": args.warmup,
+        "load_avg": [round(v, 2) for v in os.getloadavg()],  # 1/5/15 min, at the end of the run
     }
     if args.link_mbit is not None:
         base["link_mbit"] = args.link_mbit
@@ -372,9 +380,14 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
         if n in timed:
             i = timed.index(n)
             per_round_max = stacked[:, i, :].max(dim=0).values.tolist()
+            choice = (
+                {"auto_choice": extra[n]["auto_choice"]}
+                if "auto_choice" in extra.get(n, {})
+                else {}
+            )
             recs.append({**info, "metric": "step_time", "rank": "max", "unit": "ms",
                          "value": statistics.median(per_round_max),
-                         "min_ms": min(per_round_max), "max_ms": max(per_round_max)})  # fmt: skip
+                         "min_ms": min(per_round_max), "max_ms": max(per_round_max), **choice})  # fmt: skip
             for r in range(stacked.shape[0]):
                 recs.append({**info, "metric": "step_time", "rank": r, "unit": "ms",
                              "value": statistics.median(stacked[r, i, :].tolist())})  # fmt: skip

@@ -137,6 +137,8 @@ def targets(rs: list[dict], t: dict, syncs: dict, ef: dict) -> list[str]:
                 f"{va / vb:.3f} ({va:.1f} vs {vb:.1f} ms; {'met' if va / vb <= lim else 'MISSED'})"
             )
         out.append(f"- issue {issue}: {a} <= {lim} x {b}: {got}")
+    if kind == "shaped":
+        out += auto_vs_fastest(t)
     for a, b, what in CONTEXT.get("world1" if kind == "world1_public" else kind, []):
         va, vb = (t.get(a) or {}).get("value"), (t.get(b) or {}).get("value")
         if va is not None and vb is not None:
@@ -146,6 +148,32 @@ def targets(rs: list[dict], t: dict, syncs: dict, ef: dict) -> list[str]:
             ok = r["value"] <= r["grad_bytes_bf16"]
             out.append(f"- EF state of {h} <= one bf16 copy of the gradients: {r['value'] / 1e6:.1f} "
                        f"vs {r['grad_bytes_bf16'] / 1e6:.1f} MB ({'met' if ok else 'MISSED'})")  # fmt: skip
+    return out
+
+
+def auto_vs_fastest(t: dict, limit: float = 1.05) -> list[str]:
+    """Issue 28 on the shaped link: each ``ours_auto*`` within ``limit`` x the fastest
+    fixed method of its run (every timed method but ``compute_only`` and the auto ones),
+    with the spread (min-max over rounds) of both and what auto chose."""
+    fixed = {h: r for h, r in t.items() if r["value"] is not None and h != "compute_only"
+             and not h.startswith("ours_auto")}  # fmt: skip
+    out = []
+    for h, r in t.items():
+        if not h.startswith("ours_auto"):
+            continue
+        if r["value"] is None or not fixed:
+            out.append(f"- issue 28: {h} <= {limit} x the fastest fixed method: not measured "
+                       f"({r.get('status', 'no fixed method timed')})")  # fmt: skip
+            continue
+        best = min(fixed, key=lambda k: fixed[k]["value"])
+        va, vb = r["value"], fixed[best]["value"]
+        spread = ", ".join(f"{x} {t[x].get('min_ms', 0):.0f}-{t[x].get('max_ms', 0):.0f} ms"
+                           for x in (h, best))  # fmt: skip
+        out.append(f"- issue 28: {h} <= {limit} x the fastest fixed method ({best}): "
+                   f"{va / vb:.3f} ({va:.1f} vs {vb:.1f} ms, spread {spread}; "
+                   f"{'met' if va / vb <= limit else 'MISSED'})")  # fmt: skip
+        if r.get("auto_choice"):
+            out.append(f"  - {h} chose: {r['auto_choice']}")
     return out
 
 

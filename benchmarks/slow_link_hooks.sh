@@ -27,7 +27,9 @@ cd "$(dirname "$0")/.."
 source benchmarks/_netns.sh
 netns_up vch 10.77.0 "$MBIT" || exit 1
 RUN_ID=${RUN_ID:-$($PY -c "import uuid; print(uuid.uuid4().hex[:12])")}
-METHODS=${METHODS:-compute_only,none,torch_fp16,ours_bf16,ours_int8,ours_lowrank_int8_r8,ours_auto}
+# ours_auto_r8: policy auto may take any path down to low rank r8, the lossiest fixed method
+# it is compared with (auto never lowers the configured rank: verl_comm.compression.config)
+METHODS=${METHODS:-compute_only,none,torch_fp16,ours_bf16,ours_int8,ours_lowrank_int8_r8,ours_auto_r8}
 ARGS=(--cpu --transport shaped_veth --link-mbit "$MBIT" --run-id "$RUN_ID" --world "$WORLD" --layers 6 --dim 2048
       --batch 64 --loss-scale 1024 --warmup 4 --rounds "${ROUNDS:-9}" --pg-timeout-s "${PG_TIMEOUT_S:-120}" --out "$OUT")
 if [ "${TRACE:-0}" = 1 ]; then  # per-bucket timeline instead (benchmarks/slow_link_trace.py)

@@ -6,6 +6,9 @@ steps, one step is traced on every rank with ``time.perf_counter`` (ms from the 
 backward):
 
 Methods ``ours_<m>@<L>`` hold our gloo worker to ``L`` lanes (an A/B of the lanes).
+``ours_auto`` is the comm_hooks benchmark's (``benchmarks/_comm_hooks_methods.py``); after
+the rounds rank 0 prints what its policy measured (the shadow of each bucket: ms of
+backward left after its hook, on the measurement step) and what it chose per bucket, and why.
 
 * ``hook``: DDP called the bucket's hook; ``ret``: the hook returned;
 * ``c0``/``c1``: each collective of the bucket started / completed (``torch.distributed``'s
@@ -130,8 +133,12 @@ def build(name: str, dim: int, layers: int):
     elif name == "torch_fp16":
         ddp.register_comm_hook(None, _traced_hook(default_hooks.fp16_compress_hook))
     else:
-        method = name.split("@")[0].removeprefix("ours_")
-        cfg = CompressionConfig(gradient_compression=method, bucket_cap_mb=25)
+        from _comm_hooks_methods import ours_config
+
+        # ours_auto: the benchmark's own configuration; ours_<m>: gradient_compression=<m>
+        cfg = ours_config(name.split("@")[0]) or CompressionConfig(
+            gradient_compression=name.split("@")[0].removeprefix("ours_"), bucket_cap_mb=25
+        )
         state = CommHookState(None, cfg)  # statistics off: the default (stats_every=0)
         ddp.register_comm_hook(state, _traced_hook(HOOKS[cfg.method]))
     opt = torch.optim.SGD(mod.parameters(), lr=0.0)
@@ -208,6 +215,8 @@ def main() -> None:
                     print(json.dumps({"method": n, "round": r, "fwd": round(fwd, 1),
                                       "bwd": round(bwd, 1), "step": round(end, 1),
                                       "events": EVENTS}), flush=True)  # fmt: skip
+        if rank == 0:
+            _print_policy(methods)
     finally:
         for _, _, st in methods.values():
             if st is not None:
@@ -217,6 +226,20 @@ def main() -> None:
         dist.destroy_process_group()
     if rank == 0:
         print(f"load average {os.getloadavg()}", flush=True)
+
+
+def _print_policy(methods: dict) -> None:
+    """Rank 0: what ``policy: auto`` measured and chose per method (the shadows of its
+    measurement step, ms of backward left after each bucket's hook, and its decisions)."""
+    from verl_comm.compression.policy import describe_choices
+
+    for n, (_, _, st) in methods.items():
+        if st is None or st.config.policy != "auto":
+            continue
+        marks = st._prev_marks
+        shadows = {i: round(st.shadow_of(i) * 1e3, 1) for i in sorted(marks)}
+        print(f"policy {n}: measurement step {getattr(st, '_measure_at', '-')}, shadow ms {shadows}; "
+              f"{describe_choices(st.buckets)}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

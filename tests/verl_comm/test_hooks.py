@@ -339,3 +339,32 @@ def test_auto_policy_uses_link_model_and_logs(slow, caplog):
     assert "policy auto: bucket 0" in caplog.text
     states[0].recalibrate()
     assert states[0].link is None and states[0].buckets[0].decision is None
+
+
+def test_auto_measurement_step_holds_inline_buckets_until_the_last():
+    """In-process collectives: on ``policy: auto``'s measurement step (start_iter) each
+    bucket's Future stays pending until the last bucket's hook, which reduces them all in
+    order, so the ready times it notes are backward's alone; the decisions of the next step
+    use them (fails on ddc6801: bucket 0 was reduced inside its own hook)."""
+    import time
+
+    st = CommHookState(config=cfg(policy="auto", **INT8))
+    outs = {}
+    for it in range(3):
+        futs = []
+        for i in range(3):
+            b = make_bucket(10 * it + i, index=i, is_last=i == 2)
+            expect = b.buffer().clone()  # W = 1: the plain all-reduce is the identity
+            futs.append(int8_hook(st, b))
+            if it == 1 and i < 2:
+                assert not futs[-1].done()  # held until the step's last bucket
+                time.sleep(0.05)  # backward between this bucket and the next one
+            if it == 1:
+                outs[i] = (futs[-1], expect)
+        assert all(f.done() for f in futs)
+    for f, expect in outs.values():
+        assert torch.equal(f.value(), expect)
+    shadows = [st.buckets[i].decision.shadow_s for i in range(3)]
+    assert shadows[2] == 0.0 and 0.05 <= shadows[1] < shadows[0]
+    assert shadows[0] >= 0.1 and shadows[0] < 1.1  # two sleeps; 1 s of slack on a busy CPU
+    assert st.iteration == 3 and st.last_stats[0].method in ("allreduce", "bf16", "int8")

@@ -138,3 +138,32 @@ def test_gradientless_parameter_keeps_its_residual(session, method):
             assert all(n > 0 for n in r["norms"][2::2]), r["norms"]
         else:
             assert r["kept"] == [] and r["ef_bytes"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_auto_shadow_is_backward_alone_not_stretched_by_transfers(tmp_path):
+    """``policy: auto`` takes each bucket's shadow (backward left after its hook) on one
+    measurement step whose transfers all wait for the last bucket, so they cannot slow the
+    backward being timed (on a 2-core host they stretched it several times over). Fails on
+    ddc6801: there bucket 0's reduction started at once, while backward still had 0.3 s
+    to run, and the shadows came from a step with transfers in flight."""
+    res = launcher.spawn_session(2, ["auto_measure"], tmp_path, timeout_s=240, script=SCRIPT)
+    res = _res(res, "auto_measure")
+    for r in res:
+        m = r["measure_at"]
+        assert m == 1  # start_iter: the first step in DDP's rebuilt layout
+        last_hook = max(t for it, _, t in r["hooks"] if it == m)
+        first_hook = min(t for it, _, t in r["hooks"] if it == m)
+        held = [(p, t) for it, _, p, t in r["starts"] if it == m]
+        assert len(held) == 2 and all(p == "allreduce" for p, _ in held), held
+        assert all(t >= last_hook for _, t in held), (held, last_hook)  # held to the end
+        assert last_hook - first_hook >= 0.3
+        # decided on the next step, from the measured shadow agreed over ranks: the least
+        # any rank had left (rank 0's 0.3 s of sleep plus layer a's tiny backward; rank 1's
+        # 0.6 s would mean the ranks took the max, as before)
+        s0, s1 = r["decisions"][0][1], r["decisions"][1][1]
+        assert 0.3 <= s0 < 0.55 and s1 == 0.0, r["decisions"]
+        after = {p for it, _, p, _ in r["starts"] if it > m}
+        assert after and after <= {"allreduce", "bf16", "int8"}
+    assert res[0]["decisions"] == res[1]["decisions"]  # agreed over ranks (max)
+    assert res[0]["hash"] == res[1]["hash"]

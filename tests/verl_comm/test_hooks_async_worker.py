@@ -343,7 +343,52 @@ def scenario_state_dict_in_flight(rank, world, tmp):
     return out
 
 
+def scenario_auto_measure(rank, world, tmp, steps=4):
+    """``policy: auto`` on the worker: backward spends 0.3 s (rank 0; 0.6 s on the others)
+    between bucket 0 and bucket 1 on every step. Logs when each hook was called and when each bucket's reduction started
+    (``_core.run_path``), per iteration; returns them with the decisions taken."""
+    from verl_comm.hooks import _core, make_hook
+
+    torch.manual_seed(0)
+    model = _Two()
+    model.mid = lambda: time.sleep(0.3 if rank == 0 else 0.6)
+    hook, state = make_hook(_cfg("int8", policy="auto", bucket_cap_mb=0.01), timeout_s=60)
+    hooks, starts = [], []
+
+    def logged(st, bucket):
+        hooks.append((st.iteration, int(bucket.index()), time.perf_counter()))
+        return hook(st, bucket)
+
+    real = _core.run_path
+
+    def run_path(st, bs, path, fn, buf, coll, keep):
+        starts.append((st.iteration, bs.signature[0], path, time.perf_counter()))
+        return real(st, bs, path, fn, buf, coll, keep)
+
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    ddp.register_comm_hook(state, logged)
+    _core.run_path = run_path
+    try:
+        for step in range(steps):
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank + step))
+            ddp(x).square().mean().backward()
+    finally:
+        _core.run_path = real
+    decisions = {i: (b.decision.method, b.decision.shadow_s) for i, b in state.buckets.items()}
+    out = {
+        "hooks": hooks,
+        "starts": starts,
+        "decisions": decisions,
+        "measure_at": state._measure_at,
+        "hash": _hash(model),
+    }
+    state.close()
+    del ddp, model
+    return out
+
+
 SCENARIOS = {
+    "auto_measure": scenario_auto_measure,
     "many_steps": scenario_many_steps,
     "overlap": scenario_overlap,
     "failure": scenario_failure,

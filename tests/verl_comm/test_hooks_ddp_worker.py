@@ -203,6 +203,11 @@ def _capture(hook, state, log):
     """Wrap ``hook`` to log each bucket's input, pre-step state and output."""
 
     def wrapped(state, bucket):
+        if state.config.policy == "auto" and state.iteration == state._measure_at:
+            # policy auto's measurement step (plain all-reduces, each held until the last
+            # bucket: verl_comm.hooks.measure): waiting here would never end; not logged,
+            # the step's replica hashes are still compared
+            return hook(state, bucket)
         idx = bucket.index()
         state.flush()  # earlier buckets off the worker: the snapshot below is this bucket's
         bs = state.buckets.get(idx)

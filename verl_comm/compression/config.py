@@ -76,8 +76,13 @@ class CompressionConfig(BaseModel):
     policy: Literal["fixed", "auto"] = Field(
         "fixed",
         description="fixed: compress every bucket; auto: measure the link (all-reduce time "
-        "per byte) and the compressor's compute cost per bucket and compress only the "
-        "buckets where that saves time.",
+        "per byte), the compressor's compute cost per bucket and backward's timeline (one "
+        "measurement step at start_iter, plain all-reduces held to the end of backward), "
+        "then take per bucket the path predicted to end the step first among those no "
+        "lossier than the configured one: plain, bf16, int8 and, with compression_rank > 0, "
+        "low rank at that rank. The configured rank is the lossiest path auto may take; it "
+        "never lowers it (a rank is an accuracy choice): to allow rank 8, configure 8. "
+        "What it chose per bucket and why is logged (logger verl_comm.hooks, INFO).",
     )
     bucket_cap_mb: float = Field(
         25.0,

@@ -9,10 +9,12 @@ Model (alpha-beta, per rank)::
 all-reduces of a small and a large buffer on the real group (:func:`measure_link`);
 ``compute_s`` is the compressor's own compute on this bucket, timed with a
 :class:`~verl_comm.compression.collective.LoopbackCollective` (real shapes, no link).
-Measurements are agreed with a MAX all-reduce, so every rank takes the same decision.
+Measurements are agreed with a MAX all-reduce (compute: the slowest rank's; shadows: the
+least any rank had left), so every rank takes the same decision.
 With overlap in view (:func:`decide_overlap`) each bucket's chain is
 placed on a serial timeline that starts when its gradients are ready, ``shadow_s`` before
-the end of backward (measured on a plain step): a plain all-reduce that ends in backward's
+the end of backward (measured on a step whose transfers wait for backward's end:
+:mod:`verl_comm.hooks.measure`): a plain all-reduce that ends in backward's
 shadow is kept, and a bucket is compressed only where that ends the timeline earlier. On
 NVLink (``beta`` ~ 3 ps/B) compression rarely pays and the policy falls back to the plain
 all-reduce; on a 2.5 GB/s socket link it compresses. The hooks ask :func:`choose_method`,

@@ -65,7 +65,8 @@ from verl_comm.compression.policy import (
     time_call,
 )
 
-from . import resume
+from . import measure, resume
+from .bucket import Keep, keep_ranges
 from .graphs import run_path
 from .state import BucketState, CommHookState
 from .stats import BucketRecord
@@ -89,10 +90,6 @@ class PathResult:
 
 
 # -- reduction paths: reduce ``buf`` in place (averaged over the ranks of ``coll``) --------
-
-
-Keep = tuple[tuple[int, int], ...]
-"""``(offset, numel)`` ranges of a bucket whose parameter got no gradient this step."""
 
 
 def reduce_plain(
@@ -295,11 +292,14 @@ def policy_decision(
 
         compute.append(time_call(run, buf.device))
     state.generator.set_state(saved_rng)
+    # compute: the slowest rank's; shadow: the least backward any rank had left (the bucket's
+    # collective starts when the last rank is ready, so no rank hides more than its own)
     agreed = torch.tensor(
-        [*compute, state.shadow_of(index)], dtype=torch.float64, device=buf.device
+        [*compute, -state.shadow_of(index)], dtype=torch.float64, device=buf.device
     )
     coll.all_reduce_max(agreed)
-    *compute_s, shadow_s = (float(v) for v in agreed.tolist())
+    *compute_s, neg_shadow = (float(v) for v in agreed.tolist())
+    shadow_s = -neg_shadow
     options = {}
     for m, c in zip(names, compute_s):
         wire, calls = compressed_wire(state, bs, m, buf, w)
@@ -340,17 +340,6 @@ def _side_stream(state: CommHookState, device: torch.device) -> Iterator[Any]:
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         yield stream
-
-
-def _keep_ranges(bucket: Any) -> Keep:
-    """Ranges of parameters with no gradient this step (``param.grad is None``)."""
-    out, off = [], 0
-    for p in bucket.parameters():
-        n = p.numel()
-        if getattr(p, "requires_grad", False) and p.grad is None:
-            out.append((off, n))
-        off += n
-    return tuple(out)
 
 
 def _unwrap(fut: torch.futures.Future) -> torch.Tensor:
@@ -433,8 +422,9 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     int8 and low rank (and every compressing method under ``policy: auto``) run a plain
     all-reduce before ``config.start_iter`` and, after ``load_state_dict``, for
     ``start_iter`` more steps on each bucket whose layout is not the loaded one (a fresh DDP
-    rebuilds its buckets after its first step); with ``policy: auto`` each compressing bucket
-    then takes the path the policy chose at its first step (measured once per bucket).
+    rebuilds its buckets after its first step); with ``policy: auto`` one measurement step
+    follows (plain, :mod:`verl_comm.hooks.measure`), then each compressing bucket takes the
+    path the policy chose at its next step (measured once per bucket).
     On CUDA the chain is enqueued here on the side stream (as a CUDA graph once captured)
     and the CUDA-aware Future makes the consumer's stream wait for it; with a gloo process
     group of W > 1 it runs on the state's worker; in-process collectives run inline and
@@ -445,19 +435,21 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     index = int(bucket.index())
     is_last = bool(bucket.is_last())
     shapes = tuple(tuple(p.shape) for p in bucket.parameters())
-    keep = _keep_ranges(bucket)
+    keep = keep_ranges(bucket)
     dev = buf.device
     cuda = dev.type == "cuda"
     state.mark_ready(index, is_last, dev)
     pids = resume.param_ids(state, bucket)
     if not cuda and resume.should_hold(state, index, pids, (buf.numel(), str(buf.dtype), shapes)):
         return resume.hold(state, buf, pids, bucket.parameters(), is_last, _reduce_bucket)
+    measuring = measure.measuring(state, method in COMPRESSING and state.config.policy == "auto")
     if _uses_worker(state, dev):
         fut: torch.futures.Future = (
             torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
         )
         worker = state.worker()
         lane = _lane_of(state, worker, method, index, buf, shapes)
+        gate = measure.gate(state, is_last) if measuring else None
         it = state._submitted_iter
         submitted = time.perf_counter()
         ready = None
@@ -466,6 +458,8 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
             ready.record(torch.cuda.current_stream(dev))
 
         def job(coll: Collective | None) -> torch.Tensor:
+            if gate is not None:  # the measurement step: backward alone (hooks.measure)
+                measure.wait(gate, state.timeout_s)
             if ready is not None:
                 stream = _side(state, dev)
                 torch.cuda.set_device(dev)
@@ -493,6 +487,13 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
             state._submitted_iter += 1
             worker.drain(state.timeout_s)  # nothing of ours may overlap the caller's next call
         return out
+    if measuring and not cuda:
+        return measure.hold_inline(
+            state,
+            buf,
+            lambda last: _reduce_bucket(state, buf, index, shapes, keep, method, last, pids=pids),
+            is_last,
+        )
     fut = torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
     with _side_stream(state, dev):
         _reduce_bucket(state, buf, index, shapes, keep, method, is_last, pids=pids)
@@ -532,6 +533,8 @@ def _reduce_bucket(
     auto = method in COMPRESSING and cfg.policy == "auto"
     if (auto or method in ("int8", "lowrank_int8")) and warm:
         path = "allreduce"
+    elif auto and bs.decision is None and state.iteration <= state._measure_at:
+        path = "allreduce"  # measured first (verl_comm.hooks.measure)
     elif auto and buf.numel():
         d = policy_decision(state, bs, method, buf, index, coll)
         path = d.method or (method if d.compress else "allreduce")

@@ -9,9 +9,24 @@ gradients of its parameters back to back.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+Keep = tuple[tuple[int, int], ...]
+"""``(offset, numel)`` ranges of a bucket whose parameter got no gradient this step."""
+
+
+def keep_ranges(bucket: Any) -> Keep:
+    """Ranges of ``bucket``'s parameters with no gradient this step (``param.grad is None``
+    of a parameter that requires grad), in buffer order."""
+    out, off = [], 0
+    for p in bucket.parameters():
+        n = p.numel()
+        if getattr(p, "requires_grad", False) and p.grad is None:
+            out.append((off, n))
+        off += n
+    return tuple(out)
 
 
 @runtime_checkable

@@ -212,15 +212,19 @@ class CommHookState:
         self._marks: dict[int, tuple[float, Any]] = {}
         self._prev_marks: dict[int, tuple[float, Any]] = {}
         self._link_free_s = float("-inf")
+        self._measure_at = self.config.start_iter  # policy auto: see verl_comm.hooks.measure
+        self._gate: Any = None  # threading.Event of the measurement step (worker path)
+        self._held_measure: list = []  # buckets held inline on the measurement step
         self.param_keys: dict[int, int] = {}  # parameter data_ptr -> index in the DDP module
         self._held: Any = None  # hooks.resume.Held: the first step after a load
         self._error_metrics: dict[str, float] = {}  # latest comm/rel_error, residual_norm
 
     # -- execution -------------------------------------------------------------------
     def mark_ready(self, index: int, is_last: bool, device: torch.device) -> None:
-        """Note when bucket ``index`` was handed over (policy ``auto`` only, until every
-        bucket is decided): host time, and on CUDA an event on the caller's stream."""
-        if self.config.policy != "auto" or self.iteration > self.config.start_iter + 1:
+        """Note when bucket ``index`` was handed over on the measurement step of policy
+        ``auto`` (:mod:`verl_comm.hooks.measure`): host time, and on CUDA an event on the
+        caller's stream."""
+        if self.config.policy != "auto" or self.iteration != self._measure_at:
             return
         ev = None
         if device.type == "cuda":
@@ -232,8 +236,8 @@ class CommHookState:
             self._last_index = index
 
     def shadow_of(self, index: int) -> float:
-        """Seconds of backward left after bucket ``index`` was ready, on the last complete
-        step before this one (0 if unknown; the last bucket's shadow is 0). Reading CUDA
+        """Seconds of backward left after bucket ``index`` was ready, on the measurement
+        step (0 if unknown; the last bucket's shadow is 0). Reading CUDA
         events waits for them: a one-time sync while the policy decides."""
         marks = self._prev_marks
         last = getattr(self, "_last_index", None)
@@ -260,14 +264,24 @@ class CommHookState:
         Raises:
             TimeoutError: buckets still in flight on the worker after ``timeout_s``.
         """
-        if self._worker is not None:
-            self._worker.drain(self.timeout_s)
+        self._drain_worker()
         self._resolve(block=True)
+
+    def _drain_worker(self) -> None:
+        """Wait for the worker's jobs; on policy auto's measurement step first release the
+        jobs held for the step's last bucket (a flush or state_dict inside backward would
+        otherwise wait for a hook that comes only after it; that step's shadows then include
+        transfers)."""
+        if self._worker is None:
+            return
+        if self._gate is not None:
+            self._gate.set()
+        self._worker.drain(self.timeout_s)
 
     def close(self) -> None:
         """Stop the worker thread (idempotent); the state can still be saved."""
         if self._worker is not None:
-            self._worker.drain(self.timeout_s)
+            self._drain_worker()
             self._worker.close()
             self._worker = None
 
@@ -288,7 +302,10 @@ class CommHookState:
         return self.collective.world_size
 
     def recalibrate(self) -> None:
-        """Make ``policy: auto`` re-measure the link and every bucket at the next step."""
+        """Make ``policy: auto`` re-measure: the next step is a measurement step (plain
+        all-reduces, see :mod:`verl_comm.hooks.measure`); the link and every bucket are
+        measured and decided again at the step after it."""
+        self._measure_at = self.iteration
         self.link = None
         for b in self.buckets.values():
             b.decision = None
@@ -423,6 +440,7 @@ class CommHookState:
         self.buckets = {}
         self.link = None
         self._resume_until = self.iteration + self.config.start_iter
+        self._measure_at = self._resume_until  # buckets loaded undecided measure then
         if sd["world_size"] != self.world_size:
             warnings.warn(
                 f"comm hook state was saved with world size {sd['world_size']}, now "
@@ -469,8 +487,7 @@ class CommHookState:
     def _quiesce(self) -> None:
         """No bucket in flight: drain the worker, order the current stream after the side
         streams (device-side wait, no host sync)."""
-        if self._worker is not None:
-            self._worker.drain(self.timeout_s)
+        self._drain_worker()
         for dev, stream in self._streams.items():
             torch.cuda.current_stream(dev).wait_stream(stream)
 
