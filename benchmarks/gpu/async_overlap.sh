@@ -11,17 +11,8 @@
 # Writes OUTDIR/async_rollout.jsonl (records: tokens_per_s_vs_colocated, one per workload),
 # OUTDIR/async_overlap.md and OUTDIR/async_overlap.log. Exit status non-zero if a launch failed.
 set -u -o pipefail
-OUT=${1:?usage: bash benchmarks/gpu/async_overlap.sh OUTDIR}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/../.."
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/_env.sh" "${1:-}" || exit 1  # OUT, repository root, VERL_COMMIT/DIRTY
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-export VERL_COMMIT=${VERL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-if [ -z "${VERL_DIRTY:-}" ] && git rev-parse --git-dir >/dev/null 2>&1; then
-  VERL_DIRTY=$(git status --porcelain | grep -v ' benchmarks/results/' | grep -q . && echo 1 || echo 0)
-  export VERL_DIRTY
-fi
 export VERL_RUN_ID=${RUN_ID:-$(date -u +%Y%m%dT%H%M%SZ)}
 echo "# run_id $VERL_RUN_ID commit $VERL_COMMIT dirty ${VERL_DIRTY:-?}" | tee "$OUT/async_overlap.log"
 # the tokenizer folder of gpu_ppo_throughput.sh when carried (.whl/tok), else the packaged one

@@ -16,12 +16,8 @@
 #   cat OUTDIR/comm_hooks.jsonl >> benchmarks/results/comm_hooks.jsonl
 #   python benchmarks/comm_hooks_report.py benchmarks/results/comm_hooks.jsonl
 set -u -o pipefail
-OUT=${1:?usage: bash benchmarks/gpu/comm_hooks_public.sh OUTDIR}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/../.."
+source "$(dirname "$0")/_env.sh" "${1:-}" || exit 1  # OUT, repository root, VERL_COMMIT/DIRTY
 source benchmarks/gpu/setup.sh || exit 1
-export VERL_COMMIT=${VERL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 METHODS=none,torch_bf16,torch_powersgd_r32,torch_powersgd_r128,ours_bf16,ours_int8
 METHODS=$METHODS,ours_lowrank_int8_r32,ours_lowrank_int8_r128
 timeout 345 python3 benchmarks/comm_hooks.py --world 1 --warmup 4 --rounds 15 \

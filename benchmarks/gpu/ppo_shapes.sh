@@ -10,11 +10,8 @@
 # Writes OUTDIR/ppo_throughput.jsonl (all records, one run_id), its report
 # OUTDIR/ppo_throughput_shapes.md (benchmarks/ppo_throughput.py --report) and OUTDIR/shapes.log.
 set -u -o pipefail
-OUT=${1:?usage: bash benchmarks/gpu/ppo_shapes.sh OUTDIR}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/../.."
-export VERL_RUN_ID=${RUN_ID:-$(date -u +%Y%m%dT%H%M%SZ)} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/_env.sh" "${1:-}" || exit 1  # OUT, repository root, VERL_COMMIT/DIRTY
+export VERL_RUN_ID=${RUN_ID:-$(date -u +%Y%m%dT%H%M%SZ)}
 TOK=$(cd "${TOK_DIR:-.whl/tok}" && pwd)
 FAILED=0
 run() {  # run TREE COMMIT VARIANT ARGS...

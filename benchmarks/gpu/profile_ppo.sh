@@ -13,13 +13,8 @@
 # `none` run is made (no data-parallel gradients to compress); its report checks the
 # profiler's CUDA path (kernels, CUDA-event phases, memory) but cannot show communication.
 set -u -o pipefail
-OUT=${1:?usage: bash benchmarks/gpu/profile_ppo.sh OUTDIR}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/../.."
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/_env.sh" "${1:-}" || exit 1  # OUT, repository root, VERL_COMMIT/DIRTY
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-export VERL_COMMIT=${VERL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 NPROC=${NPROC:-$((NGPU < 2 ? NGPU : 2))}
 STEPS=${STEPS:-3}
