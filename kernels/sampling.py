@@ -133,9 +133,10 @@ def gumbel_sample(
     B, V = logits.shape
     nch = triton.cdiv(V, block)
     dev = logits.device
-    parts = [torch.empty(B * nch, dtype=torch.float32, device=dev) for _ in range(3)]
+    # one fp32 work buffer for the per-chunk partials (three statistics and the chosen
+    # token's scaled logit): the sampler runs once per decode step, so fewer allocations
+    *parts, zsel = torch.empty(4, B * nch, dtype=torch.float32, device=dev).unbind(0)
     idx = torch.empty(B * nch, dtype=torch.int32, device=dev)
-    zsel = torch.empty(B * nch, dtype=torch.float32, device=dev)
     tok = torch.empty(B, dtype=torch.int64, device=dev)
     lp = torch.empty(B, dtype=torch.float32, device=dev)
     seed_arg = seed if seed is not None else tok  # unread when greedy
