@@ -9,32 +9,61 @@ see :mod:`verl_comm.kernels._common`. Codes and scales of a chunk travel in one 
 :func:`pack` / :func:`unpack` (layout in :mod:`verl_comm.kernels.pack`).
 """
 
-from ._common import QMAX, SUPPORTED_BLOCKS, TINY, packed_nbytes, padded_numel
-from .ops import dequant_sum_requant, dequantize, quantize, quantize_ef
-from .pack import pack, unpack
-from .reference import (
-    dequant_sum_requant_ref,
-    dequantize_ref,
-    philox_uniform_ref,
-    quantize_ef_ref,
-    quantize_ref,
-)
+if __name__ == "kernels":
+    # Imported under the bare name: the repository root is on sys.path (``python -m`` or
+    # pytest run from the checkout) and this folder shadows the PyPI distribution
+    # ``kernels``, which transformers >= 5.25 imports whenever it is installed
+    # (transformers/integrations/hub_kernels.py). Load that distribution instead, from the
+    # rest of sys.path, and put it in sys.modules: the import statement returns what
+    # sys.modules holds once this file has run (importlib's _load_unlocked).
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
 
-__all__ = [
-    "QMAX",
-    "SUPPORTED_BLOCKS",
-    "TINY",
-    "dequant_sum_requant",
-    "dequant_sum_requant_ref",
-    "dequantize",
-    "dequantize_ref",
-    "pack",
-    "packed_nbytes",
-    "padded_numel",
-    "philox_uniform_ref",
-    "quantize",
-    "quantize_ef",
-    "quantize_ef_ref",
-    "quantize_ref",
-    "unpack",
-]
+    _root = _os.path.realpath(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+    _path = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _root]
+    _spec = _machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError(
+            "No module named 'kernels': the folder kernels/ of this checkout is the package "
+            "verl_comm.kernels (import it by that name)",
+            name="kernels",
+        )
+    _module = _util.module_from_spec(_spec)
+    _sys.modules["kernels"] = _module
+    try:
+        _spec.loader.exec_module(_module)
+    except BaseException:
+        del _sys.modules["kernels"]
+        raise
+else:
+    from ._common import QMAX, SUPPORTED_BLOCKS, TINY, packed_nbytes, padded_numel
+    from .ops import dequant_sum_requant, dequantize, quantize, quantize_ef
+    from .pack import pack, unpack
+    from .reference import (
+        dequant_sum_requant_ref,
+        dequantize_ref,
+        philox_uniform_ref,
+        quantize_ef_ref,
+        quantize_ref,
+    )
+
+    __all__ = [
+        "QMAX",
+        "SUPPORTED_BLOCKS",
+        "TINY",
+        "dequant_sum_requant",
+        "dequant_sum_requant_ref",
+        "dequantize",
+        "dequantize_ref",
+        "pack",
+        "packed_nbytes",
+        "padded_numel",
+        "philox_uniform_ref",
+        "quantize",
+        "quantize_ef",
+        "quantize_ef_ref",
+        "quantize_ref",
+        "unpack",
+    ]
