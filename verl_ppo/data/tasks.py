@@ -8,10 +8,18 @@ Train and held-out prompts are disjoint by construction: the task's question spa
 by a stable hash of each question's key (:func:`split_key`: the arithmetic expression where
 reasoning-gym gives one, else the question text). A question whose hash falls in the first
 ``eval_fraction`` of the hash range belongs to the held-out part and is never a train
-prompt, whatever the seeds; a seed only orders the questions within a part. A different
-seed for the eval generator (the former split) does not separate them: 2-term 1-digit sums
-have 121 distinct questions, and 11-13 of 48 seed-drawn eval prompts were among the first
-24 train prompts of each seed.
+prompt, whatever the seeds. A different seed for the eval generator (the former split) does
+not separate them: 2-term 1-digit sums have 121 distinct questions, and 11-13 of 48
+seed-drawn eval prompts were among the first 24 train prompts of each seed.
+
+Seeds: reasoning-gym draws item ``i`` of a dataset seeded ``s`` with ``Random(s + i)``
+(``reasoning_gym/arithmetic/basic_arithmetic.py``, ``__getitem__``), so datasets seeded
+``s`` and ``s + 1`` are the same stream shifted by one item. The trainer's seed is therefore
+never passed as it is: :func:`stream_seed` hashes it into a 63-bit generator seed, and the
+train streams of different seeds share no item (the former ``seed`` itself made seeds 0, 1
+and 2 train on the same first 48 prompts in the same order). The held-out prompts are the
+same for every seed (one fixed eval stream, like a validation file), so the eval rewards of
+different seeds are measured on the same questions.
 """
 
 from __future__ import annotations
@@ -55,6 +63,22 @@ EVAL_FRACTION = 0.5
 # probability (120/121)^2048 ~ 5e-8.
 _EVAL_DRAWS_PER_PROMPT = 64
 _EVAL_DRAWS_MIN = 2048
+
+
+# The eval stream's seed, the same for every trainer seed (see the module docstring).
+_EVAL_STREAM = "eval"
+
+
+def stream_seed(seed: int, stream: str = "train") -> int:
+    """The reasoning-gym generator seed of one of a task's prompt streams.
+
+    The first 8 bytes of the SHA-256 of ``"<stream>:<seed>"``, shifted to 63 bits: streams of
+    different seeds start at unrelated points of reasoning-gym's ``Random(seed + i)`` item
+    seeds, so two train streams of 10,000 items overlap with probability about 2e4 / 2**63.
+    Stable across processes and Python versions.
+    """
+    digest = hashlib.sha256(f"{stream}:{int(seed)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 class TaskError(ValueError):
@@ -172,8 +196,10 @@ class Task:
         train_size: draws of the train generator (cycled); draws whose question is held out
             are skipped, so about ``(1 - eval_fraction) * train_size`` train prompts remain.
         eval_size: number of distinct held-out prompts.
-        seed: train generator seed; the eval generator uses ``seed + 1_000_003`` (it only
-            orders the held-out questions: membership is decided by :func:`is_held_out`).
+        seed: the job's seed; the train generator is seeded ``stream_seed(seed)``. The eval
+            generator's seed is the same for every ``seed`` (``stream_seed(0, "eval")``): the
+            held-out prompts do not depend on it (membership is decided by
+            :func:`is_held_out`, the order by that fixed stream).
         overrides: keyword arguments for the reasoning-gym dataset config.
         eval_fraction: share of the question space held out (by hash), in (0, 1).
 
@@ -203,9 +229,11 @@ class Task:
         self.eval_fraction = eval_fraction
         draws = max(_EVAL_DRAWS_MIN, _EVAL_DRAWS_PER_PROMPT * eval_size)
         try:
-            source = reasoning_gym.create_dataset(name, size=train_size, seed=seed, **kwargs)
+            source = reasoning_gym.create_dataset(
+                name, size=train_size, seed=stream_seed(seed), **kwargs
+            )
             eval_source = reasoning_gym.create_dataset(
-                name, size=draws, seed=seed + 1_000_003, **kwargs
+                name, size=draws, seed=stream_seed(0, _EVAL_STREAM), **kwargs
             )
         except (TypeError, ValueError, AssertionError) as exc:
             raise TaskError(f"reasoning-gym rejected data.task_kwargs for {name!r}: {exc}") from exc

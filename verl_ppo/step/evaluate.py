@@ -5,7 +5,7 @@ model folder, or a Hugging Face model id in the local cache (see
 :func:`verl_ppo.data.model_store.resolve_model_path`).
 
 ``eval`` scores the held-out split of a reasoning-gym task greedily, exactly as the
-trainer's own eval does (same split seed ``seed + 1_000_003``, same chat-template
+trainer's own eval does (the same held-out prompts for every seed, same chat-template
 prompts, same per-rank order and batch size, greedy decoding with the KV-cache sampler of
 :mod:`verl_ppo.rollout.generate`, the task's scorer on the decoded response). With a run
 folder (or ``--config FILE``) the task, seed, task options, response limit, rank count and
