@@ -4,10 +4,12 @@
 * :mod:`.collective` — the transport (:class:`Collective` and implementations).
 * :mod:`.int8_allreduce` — two-step int8 quantized all-reduce (the all-to-all
   quantized reduce-scatter of ZeRO++'s qgZ, Wang et al. 2023, then an int8 all-gather).
-* :mod:`.lowrank` — int8 low-rank (PowerSGD, Vogels et al. 2019).
+* :mod:`.lowrank` — int8 low-rank (PowerSGD, Vogels et al. 2019); its orthonormalisation,
+  batched shifted CholeskyQR2, in :mod:`.cholqr`.
 * :mod:`.policy` — adaptive ``policy: auto``.
 """
 
+from .cholqr import orthonormalize
 from .collective import (
     Collective,
     LocalCollective,
@@ -23,7 +25,7 @@ from .int8_allreduce import (
     int8_allreduce_wire_bytes,
     ring_allreduce_wire_bytes,
 )
-from .lowrank import LowRankBucketState, lowrank_int8_allreduce, orthonormalize
+from .lowrank import LowRankBucketState, lowrank_int8_allreduce
 from .lowrank_plan import LowRankPlan, plan_lowrank
 from .policy import LinkModel, PolicyDecision, decide, decide_overlap, measure_link
 
