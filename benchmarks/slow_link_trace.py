@@ -189,18 +189,16 @@ def main() -> None:
     rank = dist.get_rank()
     _wrap_collectives()
     _ours_job_tag(None)
-    from verl_comm.hooks import _core
+    from verl_comm.hooks import lanes
 
-    default_lanes = _core.LANES
+    default_lanes = lanes.LANES
     methods = {n: build(n, a.dim, a.layers) for n in a.methods.split(",")}
     try:
         for r in range(a.warmup + a.rounds):
             g = torch.Generator().manual_seed(1000 * rank + r)
             x = torch.randn(64, a.dim, generator=g)
             for n, (ddp, opt, _) in methods.items():
-                from verl_comm.hooks import _core
-
-                _core.LANES = _lanes(n) or default_lanes
+                lanes.LANES = _lanes(n) or default_lanes
                 opt.zero_grad(set_to_none=True)
                 dist.barrier()
                 EVENTS.clear()

@@ -25,6 +25,7 @@ W2 = [
     "overlap:method=int8",
     "many_steps:method=int8",
     "many_steps:method=lowrank_int8",
+    "many_steps:method=lowrank_int8,lanes=1",
     "many_steps:method=bf16",
     "many_steps:method=int8,reducer=True",
     "count",
@@ -70,6 +71,23 @@ def test_100_steps_no_deadlock_caller_collective_in_order(session, world, method
         assert r["iteration"] == 100 and r["worker_used"] and r["worker_closed"]
         assert method in r["paths"]
     assert len({r["hash"] for r in res}) == 1  # replicas bit-identical after 100 steps
+
+
+@pytest.mark.timeout(600)
+def test_lowrank_takes_both_lanes_from_its_second_compressed_step(session):
+    """Issue 28: a low-rank bucket's first compressed step (iteration 1: Q drawn, wire
+    measured) runs on lane 0; from then on buckets alternate lanes like int8's, with the
+    same result bit for bit as on one lane."""
+    two = _res(session(2), "many_steps:method=lowrank_int8")
+    one = _res(session(2), "many_steps:method=lowrank_int8,lanes=1")
+    for r in two:
+        assert r["threads"]["1"] == ["verl-comm-worker-0"]
+        assert r["threads"]["2"] == ["verl-comm-worker-0", "verl-comm-worker-1"]
+    for r in one:
+        assert {t for ts in r["threads"].values() for t in ts} == {"verl-comm-worker-0"}
+    assert {r["hash"] for r in two} == {r["hash"] for r in one} and len(
+        {r["hash"] for r in one}
+    ) == 1
 
 
 @pytest.mark.timeout(600)

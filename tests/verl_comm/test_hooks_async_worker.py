@@ -63,12 +63,26 @@ class Tiny(nn.Module):
         return out
 
 
-def scenario_many_steps(rank, world, tmp, method, steps=100, reducer=False):
+def scenario_many_steps(rank, world, tmp, method, steps=100, reducer=False, lanes=0):
     """``steps`` DDP (or reducer) steps with a caller all-reduce right after backward
     (finalize for the reducer) and DDP's own unused-parameter collective inside backward:
-    no deadlock, the caller's collective always sums what it should, replicas identical."""
-    from verl_comm.hooks import make_hook
+    no deadlock, the caller's collective always sums what it should, replicas identical.
+    ``lanes``: the worker's lanes (0: the default); the worker thread each compressed
+    bucket ran on is returned per iteration."""
+    from verl_comm.hooks import _core, make_hook
+    from verl_comm.hooks import lanes as lanes_mod
     from verl_comm.reducer import BucketedReducer
+
+    real_run_path, default_lanes = _core.run_path, lanes_mod.LANES
+    threads: dict = {}
+
+    def run_path(st, bs, path, fn, buf, coll, keep):
+        if path != "allreduce":
+            threads.setdefault(st.iteration, []).append(threading.current_thread().name)
+        return real_run_path(st, bs, path, fn, buf, coll, keep)
+
+    _core.run_path = run_path
+    lanes_mod.LANES = lanes or default_lanes
 
     torch.manual_seed(0)
     model = Tiny()
@@ -95,10 +109,12 @@ def scenario_many_steps(rank, world, tmp, method, steps=100, reducer=False):
             bad.append((step, float(t)))
         opt.step()
         opt.zero_grad(set_to_none=True)
+    _core.run_path, lanes_mod.LANES = real_run_path, default_lanes
     worker = state._worker
     alive_before = worker is not None and worker.is_alive()
     state.close()
     out = {
+        "threads": {str(i): sorted(set(t)) for i, t in threads.items()},
         "bad_caller_sums": bad,
         "hash": _hash(model),
         "iteration": state.iteration,

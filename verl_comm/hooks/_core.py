@@ -68,6 +68,7 @@ from verl_comm.compression.policy import (
 from . import measure, resume
 from .bucket import Keep, keep_ranges
 from .graphs import run_path
+from .lanes import COMPRESSING, bucket_keys, lane_of
 from .state import BucketState, CommHookState
 from .stats import BucketRecord
 
@@ -75,7 +76,6 @@ logger = logging.getLogger("verl_comm.hooks")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
-COMPRESSING = ("fp16", "bf16", "int8", "lowrank_int8")
 
 
 @dataclass
@@ -359,55 +359,6 @@ def _uses_worker(state: CommHookState, dev: torch.device) -> bool:
     return dev.type != "cuda" and coll.world_size > 1
 
 
-LANES = 2
-"""Worker lanes on gloo: as many collectives in flight as gloo's default of two threads per
-process group lets torch's async hooks have (``benchmarks/slow_link_trace.py`` shows why)."""
-
-
-def _bucket_keys(state: CommHookState, buf: torch.Tensor, shapes: tuple, method: str):
-    """``(signature, meta)`` of a bucket: its layout, and the method and settings its state
-    was built for (a change of either resets the bucket's state)."""
-    cfg = state.config
-    signature = (buf.numel(), str(buf.dtype), shapes)
-    meta = (method, cfg.compression_rank or 0, cfg.quant_block, cfg.residual_dtype)
-    return signature, (*meta, cfg.error_feedback)
-
-
-def _lane_of(
-    state: CommHookState, worker: Any, method: str, index: int, buf: torch.Tensor, shapes: tuple
-) -> int:
-    """The worker lane of bucket ``index``: ``index % LANES`` for chains that touch no state
-    shared between buckets (plain, fp16, bf16, int8 with its per-bucket residual, and under
-    ``policy: auto`` a bucket whose path an earlier step chose, unless low rank) over WORLD;
-    0 for low rank (the state's generator draws warm-start factors, the link model is
-    measured once), for ``auto`` buckets still to decide (decisions are made in bucket
-    order on one timeline) and for a state on a subgroup. Whether a bucket is decided is
-    the same on every rank: only its own job decides it, and the previous step drained.
-    Opening the lanes makes a process group over WORLD: every rank does it at the same
-    hook call."""
-    auto = method in COMPRESSING and state.config.policy == "auto"
-    if auto:
-        bs = state.buckets.get(index)
-        signature, meta = _bucket_keys(state, buf, shapes, method)
-        d = None if bs is None or (bs.signature, bs.meta) != (signature, meta) else bs.decision
-        chosen = None if d is None else d.method or (method if d.compress else "allreduce")
-        if chosen is None or chosen == "lowrank_int8":
-            return 0
-    elif method == "lowrank_int8":
-        return 0
-    if worker.lanes < LANES:
-        group = getattr(state.collective, "group", None)
-        if group is not None and group != dist.group.WORLD:
-            return 0  # a new group would need every rank of WORLD to make it with us
-
-        def make() -> Collective:
-            # every rank makes it (WORLD), in the same order: a numbered group name
-            return ProcessGroupCollective(dist.new_group(backend=dist.get_backend()))
-
-        worker.open_lanes(LANES, make)
-    return index % LANES
-
-
 def _side(state: CommHookState, dev: torch.device) -> Any:
     stream = state._streams.get(dev)
     if stream is None:
@@ -448,7 +399,7 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
             torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
         )
         worker = state.worker()
-        lane = _lane_of(state, worker, method, index, buf, shapes)
+        lane = lane_of(state, worker, method, index, buf, shapes)
         gate = measure.gate(state, is_last) if measuring else None
         it = state._submitted_iter
         submitted = time.perf_counter()
@@ -520,7 +471,7 @@ def _reduce_bucket(
     cfg = state.config
     coll = state.collective if lane_coll is None else lane_coll
     dev = buf.device
-    signature, meta = _bucket_keys(state, buf, shapes, method)
+    signature, meta = bucket_keys(state, buf, shapes, method)
     warm = state.iteration < cfg.start_iter  # DDP may still rebuild its buckets
     if state.resuming(index, signature, meta):  # loaded state, DDP not rebuilt yet
         bs, warm = BucketState(signature, meta), True

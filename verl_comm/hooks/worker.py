@@ -16,7 +16,7 @@ compute overlaps another's transfer. Every process group still sees its collecti
 same order on every rank: a lane runs its buckets in submission order, which is DDP's bucket
 order (DDP calls the hook of bucket ``i + 1`` only after that of bucket ``i``), and the
 assignment ``i % L`` is the same on every rank. Only chains that touch no state shared
-between buckets may run on lanes other than 0 (see ``verl_comm.hooks._core``).
+between buckets may run on lanes other than 0 (see :mod:`verl_comm.hooks.lanes`).
 
 Failure model: the first exception of a job is wrapped in :class:`CommWorkerError` (naming
 the bucket and iteration) and set on that bucket's Future; every later job fails at once with
