@@ -1,13 +1,14 @@
-"""One launch of ``benchmarks/gpu/async_overlap.py``: a colocated job (1 process) or an
-async job (1 training + 1 rollout process), timed on the training rank.
+"""One launch of ``benchmarks/gpu/async_overlap.py``: a colocated job (``--gpus`` data-parallel
+processes) or an async job (1 training + 1 rollout process), timed on training rank 0.
 
-Run by :func:`verl_comm.distributed.launch.run_ranks` (1 or 2 ranks: ``RANK``,
-``WORLD_SIZE``, ``MASTER_PORT`` ... set); rank 0 appends one JSON line
-(per-step times, tokens, phases, numerics) to ``--raw``. The workload is the one of
-``benchmarks/ppo_throughput.py`` (``benchmarks/_ppo_workload.py``: random-init model of a
-named shape, fixed-length prompts, :class:`FixedLengthTask`, :func:`run_verl`'s config), with
-``--spread LO HI``: every response ends with EOS forced at a length drawn uniformly from
-``[LO, HI]`` per prompt (:func:`forced_lengths`).
+Run by :func:`verl_comm.distributed.launch.run_ranks` (``--gpus`` ranks colocated, 2 async:
+``RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` ... set); rank 0 appends one JSON line (per-step
+times, tokens, phases, numerics) to ``--raw``. The global batch is the same in both
+modes (``train.rollout_batch_size``: each of 2 colocated ranks makes half of it). The
+workload is the one of ``benchmarks/ppo_throughput.py`` (``benchmarks/_ppo_workload.py``:
+random-init model of a named shape, fixed-length prompts, :class:`FixedLengthTask`,
+:func:`run_verl`'s config), with ``--spread LO HI``: every response ends with EOS forced at
+a length drawn uniformly from ``[LO, HI]`` per prompt (:func:`forced_lengths`).
 """
 
 from __future__ import annotations
@@ -87,13 +88,14 @@ def forced_lengths(lo: int, hi: int, seed: int):
 
 def job_config(a: argparse.Namespace, s: Setup, run_dir: str) -> dict[str, Any]:
     """:func:`_ppo_verl.verl_config` (``run_verl``'s config) with ``--spread``'s response
-    cap (EOS then not ignored), ``--torch-compile`` and one training process on
-    ``--backend``, plus the async keys in ``--mode async``."""
+    cap (EOS then not ignored), ``--torch-compile`` and the training processes on
+    ``--backend`` (colocated: ``--gpus``; async: one), plus the async keys in ``--mode
+    async``."""
     cfg = verl_config(s, run_dir)
     if a.spread is not None:
         cfg["rollout"].update(max_new_tokens=a.spread[1], ignore_eos=False)
     cfg["train"]["torch_compile"] = {"auto": "auto", "on": True, "off": False}[a.torch_compile]
-    cfg["comm"] = {"nproc": 1, "backend": a.backend}
+    cfg["comm"] = {"nproc": a.gpus if a.mode == "colocated" else 1, "backend": a.backend}
     if a.mode == "async":
         cfg["rollout"].update(
             mode="async", n_ranks=1, max_staleness=1, sync_wire=a.sync_wire, dtype=a.rollout_dtype
@@ -103,10 +105,16 @@ def job_config(a: argparse.Namespace, s: Setup, run_dir: str) -> dict[str, Any]:
 
 
 def _timed_steps(trainer: Any, s: Setup, spread: tuple[int, int] | None) -> list[dict]:
-    """``warmup + steps`` train steps, each between device-synchronised points."""
+    """``warmup + steps`` train steps, each between device-synchronised points (and, with
+    more than one training rank, a barrier before each)."""
+    import torch.distributed as dist
+
+    many = dist.is_initialized() and dist.get_world_size() > 1  # colocated on 2 ranks
     out = []
     for step in range(s.warmup + s.steps):
         _sync()
+        if many:
+            dist.barrier()  # the ranks start each step together (as run_verl)
         t0 = time.perf_counter()
         m = trainer.train_step(step)
         _sync()
@@ -135,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollout-dtype", default="bfloat16")
     p.add_argument("--sync-wire", choices=("full", "delta"), default="delta")
     p.add_argument("--torch-compile", choices=("auto", "on", "off"), default="off")
+    p.add_argument("--gpus", type=int, default=1, help="colocated: comm.nproc")
     for k, d in (("prompt-len", 256), ("response-len", 256), ("rollout-batch", 128)):
         p.add_argument(f"--{k}", type=int, default=d)
     p.add_argument("--micro-batch", type=int, default=8)
@@ -174,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         **json.loads(a.tag),
         "mode": a.mode,
+        "gpus": a.gpus,
+        "training_ranks": cfg["comm"]["nproc"],
+        "sync_wire": a.sync_wire if a.mode == "async" else None,
         "spread": list(spread) if spread else None,
         "tokens": sum(r["perf/tokens"] for r in timed),
         "seconds": sum(r["step_s"] for r in timed),
