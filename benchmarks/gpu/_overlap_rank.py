@@ -3,7 +3,8 @@ processes) or an async job (1 training + 1 rollout process), timed on training r
 
 Run by :func:`verl_comm.distributed.launch.run_ranks` (``--gpus`` ranks colocated, 2 async:
 ``RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` ... set); rank 0 appends one JSON line (per-step
-times, tokens, phases, numerics) to ``--raw``. The global batch is the same in both
+times, tokens, phases, numerics; async: the bridge's measured line rate,
+``benchmarks/gpu/_bridge_probe.py``) to ``--raw``. The global batch is the same in both
 modes (``train.rollout_batch_size``: each of 2 colocated ranks makes half of it). The
 workload is the one of ``benchmarks/ppo_throughput.py`` (``benchmarks/_ppo_workload.py``:
 random-init model of a named shape, fixed-length prompts, :class:`FixedLengthTask`,
@@ -32,6 +33,9 @@ sys.path.insert(0, str(BENCH_DIR))  # the ppo_throughput helper modules
 from _ppo_env import _sync  # noqa: E402
 from _ppo_verl import _task_replaced, check_log_probs_vs_hf, verl_config  # noqa: E402
 from _ppo_workload import FixedLengthTask, Setup, fixed_length_prompts, load_tokenizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bridge_probe import probing_join  # noqa: E402
 
 
 def row_lengths(input_ids: torch.Tensor, lo: int, hi: int, seed: int) -> list[int]:
@@ -144,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-wire", choices=("full", "delta"), default="delta")
     p.add_argument("--torch-compile", choices=("auto", "on", "off"), default="off")
     p.add_argument("--gpus", type=int, default=1, help="colocated: comm.nproc")
+    p.add_argument("--probe-bytes", type=int, default=0, help="async: bridge probe size")
     for k, d in (("prompt-len", 256), ("response-len", 256), ("rollout-batch", 128)):
         p.add_argument(f"--{k}", type=int, default=d)
     p.add_argument("--micro-batch", type=int, default=8)
@@ -163,18 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     task = FixedLengthTask(fixed_length_prompts(tok, s.rollout_batch, s.prompt_len, s.seed))
     spread = tuple(a.spread) if a.spread else None
     lengths = forced_lengths(*spread, s.seed) if spread else _nothing()
+    probe = probing_join(a.probe_bytes) if a.mode == "async" else _nothing({})
     if a.mode == "async" and int(os.environ["RANK"]) >= 1:  # the rollout rank
         import verl_ppo.asyncrl.rollout_worker as rw
         from verl_ppo.config import build_config
 
         rw.build_prompt_source = lambda *x, **k: task
-        with lengths:
+        with lengths, probe:
             return rw.run_rollout_rank(build_config(cfg))
     from verl_ppo import PPOTrainer
 
     trainer = PPOTrainer(cfg)
     with _task_replaced(task):
-        trainer.setup()
+        with probe as link:
+            trainer.setup()
         numerics = check_log_probs_vs_hf(trainer, task, s)  # the plain rollout, no forcing
         with lengths:
             steps = _timed_steps(trainer, s, spread)
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": a.gpus,
         "training_ranks": cfg["comm"]["nproc"],
         "sync_wire": a.sync_wire if a.mode == "async" else None,
+        "link": link or None,
         "spread": list(spread) if spread else None,
         "tokens": sum(r["perf/tokens"] for r in timed),
         "seconds": sum(r["step_s"] for r in timed),
@@ -201,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextmanager
-def _nothing():
-    yield
+def _nothing(value: Any = None):
+    yield value
 
 
 if __name__ == "__main__":
