@@ -46,6 +46,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _ppo_workload import SHAPES  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _overlap_sync import TARGETS, sync_fields, verdict  # noqa: E402
+
 from verl_comm.bench.env import commit, dirty, now_iso, versions  # noqa: E402
 from verl_comm.distributed.launch import run_ranks  # noqa: E402
 
@@ -100,7 +103,7 @@ def _key(r: dict) -> tuple:
 def records(raw: list[dict], meta: dict) -> list[dict]:
     """One ``tokens_per_s_vs_colocated`` record per workload and async wire, over the rounds
     where the colocated launch and that wire's async launch both completed (ratio per round,
-    median over rounds)."""
+    median over rounds), with the sync fields (``_overlap_sync.py``)."""
     out, g = [], meta["gpus"]
     for w in WORKLOADS:
         by = {_key(r): r for r in raw if r["workload"] == w}
@@ -113,6 +116,7 @@ def records(raw: list[dict], meta: dict) -> list[dict]:
             tps = {m: [r["tokens_per_s"] for r in run[m]] for m in MODES}
             ratios = [a / c for a, c in zip(tps["async"], tps["colocated"])]
             async_steps = [s for r in run["async"] for s in r["steps"][meta["warmup"] :]]
+            full = [r for k, r in by.items() if k[1:] == ("async", "full")]
             out.append(
                 {
                     **meta,
@@ -130,6 +134,9 @@ def records(raw: list[dict], meta: dict) -> list[dict]:
                     **{f"{m}_tokens_per_s_per_gpu": statistics.median(tps[m]) / g for m in MODES},
                     **{f"{m}_tokens_per_s_spread": _spread(tps[m]) for m in MODES},
                     **{f"{m}_tokens_per_s_per_round": tps[m] for m in MODES},
+                    "colocated_step_s_median": statistics.median(
+                        s["step_s"] for r in run["colocated"] for s in r["steps"][meta["warmup"] :]
+                    ),
                     "numerics_ok": all(r["numerics"]["ok"] for m in MODES for r in run[m]),
                     "async_rollout_wait_s_median": statistics.median(
                         s.get("timing_s/rollout_wait", 0.0) for s in async_steps
@@ -146,10 +153,15 @@ def records(raw: list[dict], meta: dict) -> list[dict]:
                     "async_staleness_max": max(
                         s.get("async/staleness_max", 0) for s in async_steps
                     ),
+                    **sync_fields(run["async"], meta["warmup"], full if wire == "delta" else None),
                     "raw": [r for pair in zip(run["colocated"], run["async"]) for r in pair],
                 }
             )
     return out
+
+
+def _f(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def _bridge(recs: list[dict]) -> str:
@@ -163,7 +175,8 @@ def _bridge(recs: list[dict]) -> str:
 
 
 def markdown(recs: list[dict]) -> str:
-    """``async_overlap.md`` from this run's ``tokens_per_s_vs_colocated`` records."""
+    """``async_overlap.md`` from this run's ``tokens_per_s_vs_colocated`` records; with
+    ``gpus >= 2`` each of issue 34's targets (:data:`_overlap_sync.TARGETS`) met or missed."""
     m, g = recs[0], recs[0].get("gpus", 1)
     wires = ", ".join(dict.fromkeys(r["sync_wire"] for r in recs))
     where = "sharing one device" if g == 1 else f"on {g} devices"
@@ -199,8 +212,58 @@ def markdown(recs: list[dict]) -> str:
             f"**{r['value']:.3f}** ({q[0]:.3f}-{q[1]:.3f}) | "
             f"{r['async_rollout_wait_s_median']:.3f} | {r['async_sync_pause_s_median']:.3f} |"
         )
+    lines += [
+        "",
+        "Steps and weight sync (medians; the sync columns over the versions after the "
+        "first, whose sync is always full; benchmarks/gpu/_overlap_sync.py defines them): "
+        "line rate = the bridge's bandwidth measured at the launch's start "
+        "(benchmarks/gpu/_bridge_probe.py), line s = sync bytes at that rate; pause = what "
+        "the rollout rank's switch() blocked, with its idle wait for the publication when it "
+        "is ahead of training; own = each pause capped at its sync time.",
+        "",
+        "| workload | wire | step s colocated / async | tok/s/GPU colocated / async | "
+        "sync bytes first / later | changed frac | sync s | line rate GB/s | line s | "
+        "sync / line | pause s (own) | pause / step (own) | delta / full |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in recs:
+        bw = r.get("link_bytes_per_s")
+        lines.append(
+            f"| {r['workload']} | {r['sync_wire']} | {r['colocated_step_s_median']:.3f} / "
+            f"{_f(r['async_step_s_median'])} | {r['colocated_tokens_per_s_per_gpu']:.0f} / "
+            f"{r['async_tokens_per_s_per_gpu']:.0f} | {_f(r['sync_bytes_first'], '.0f')} / "
+            f"{_f(r['sync_bytes_median'], '.0f')} | {_f(r['sync_changed_frac_median'], '.4f')} | "
+            f"{_f(r['sync_time_s_median'], '.4f')} | {_f(bw and bw / 1e9, '.2f')} | "
+            f"{_f(r['sync_line_s_median'], '.4f')} | {_f(r['sync_time_vs_line_rate'])} | "
+            f"{_f(r['sync_pause_s_median'], '.4f')} ({_f(r['sync_own_pause_s_median'], '.4f')}) | "
+            f"{_f(r['pause_vs_step'])} ({_f(r['sync_own_pause_vs_step'])}) | "
+            f"{_f(r.get('delta_bytes_vs_full'))} |"
+        )
     if g == 1:
         lines += ["", "Reported whatever it shows (issue 31: no target on one device)."]
+        return "\n".join(lines) + "\n"
+    lines += [
+        "",
+        f"Targets (issue 34, on {g} GPUs)"
+        + (
+            ": this run is on the CPU, its verdicts only exercise the plumbing."
+            if m["device"].startswith("cpu")
+            else ":"
+        ),
+        "",
+        "| target | bound | workload | wire | value | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for field, (bound, kind) in TARGETS.items():
+        for r in recs:
+            if field != "tokens_per_s_vs_colocated" and field not in r:
+                continue  # delta_bytes_vs_full: on the delta wire's records
+            v = r["value"] if field == "tokens_per_s_vs_colocated" else r[field]
+            sign = ">=" if kind == "min" else "<="
+            lines.append(
+                f"| {field} | {sign} {bound:g} | {r['workload']} | {r['sync_wire']} | "
+                f"{_f(v)} | **{verdict(field, v)}** |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -378,7 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['workload']} {r['sync_wire']}: colocated {r['colocated_tokens_per_s']:.0f} "
             f"tok/s, async {r['async_tokens_per_s']:.0f} tok/s, ratio {r['value']:.3f} "
-            f"{r['ratio_spread']} over {r['rounds']} round(s)"
+            f"{r['ratio_spread']} over {r['rounds']} round(s); pause/step "
+            f"{_f(r['pause_vs_step'])}, sync/line {_f(r['sync_time_vs_line_rate'])}"
+            + (f", delta/full {_f(r['delta_bytes_vs_full'])}" if "delta_bytes_vs_full" in r else "")
         )
     return 0 if len(recs) == len(a.workloads) * len(a.sync_wires) and not failed else 1
 
