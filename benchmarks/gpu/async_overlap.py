@@ -1,33 +1,62 @@
-"""Async rollout against colocated on one GPU (issue 31, "overlap where it can be measured").
+"""Async rollout against colocated: on one GPU (issue 31, "overlap where it can be measured"),
+or on two (issue 34: one training GPU and one rollout GPU against colocated on both).
 
-Two processes share the GPU: the training rank and the rollout rank of ``rollout.mode:
-async`` (``comm.nproc=1``, ``rollout.n_ranks=1``, ``max_staleness=1``, the default delta wire, decoupled
-loss). Two processes, not two CUDA streams in one: that is the shipped async mode
+``--gpus 1`` (default): two processes share the GPU: the training rank and the rollout rank of
+``rollout.mode: async`` (``comm.nproc=1``, ``rollout.n_ranks=1``, ``max_staleness=1``,
+decoupled loss). Two processes, not two CUDA streams in one: that is the shipped async mode
 (:mod:`verl_ppo.asyncrl`), unchanged; the GPU interleaves the two processes' kernels (time
 slicing, no MPS), so the gain measured is what the shipped code gets. Their bridge groups are
 gloo, staged through host memory (NCCL refuses two ranks of one communicator on one GPU:
 :func:`verl_ppo.asyncrl.world.placement`); each sync is checksum-verified by the receiver (a
 mismatch stops the run). Colocated: one process, generate then train.
 
+``--gpus 2``: the same async job, but each process on a GPU of its own (``placement`` gives
+every rank ``LOCAL_RANK``'s GPU and NCCL bridge groups once the visible GPUs cover both
+ranks), against colocated on the same two GPUs: ``comm.nproc=2`` data-parallel ranks, each
+generating and training half of the unchanged global batch. The ranks see the first
+``--gpus`` visible GPUs (``CUDA_VISIBLE_DEVICES``, so ``--gpus 1`` shares one GPU on any
+machine); fewer visible on a CUDA machine is refused before any launch (exit 2).
+
 Workloads (``benchmarks/ppo_throughput.py``'s shape: random-init Qwen2.5-0.5B, 256-token
-prompts, 128 sequences per step, micro-batch 8):
+prompts, 128 sequences per step, micro-batch 8 per rank):
 
 * ``fixed``: 256-token responses (``rollout.ignore_eos``), the benchmark shape;
 * ``spread``: EOS forced per prompt at a length uniform in 16..512 (``_overlap_rank.py``,
   ``forced_lengths``; ``max_new_tokens=512``): generation runs to the batch's longest row.
 
-Protocol: per round, the launches colocated/async x fixed/spread in turn (interleaved),
-``--rounds`` rounds; each launch: numerics check (the first rollout's log-probs against a
-plain HF forward), ``--warmup`` untimed + ``--steps`` timed steps, every metric finite.
-``train.torch_compile`` is off in both modes (its compilations would take most of a launch
-and their late recompiles land in timed steps; the rollout's CUDA graph stays on, auto).
-tokens/s = tokens trained (prompt + response) / wall time of the timed steps on the training
-rank. Per workload one record ``metric: tokens_per_s_vs_colocated``: the median of the
-per-round ratios async/colocated, with each mode's median tokens/s and the spread (min, max)
-of all, appended to ``OUT/async_rollout.jsonl``; ``OUT/async_overlap.md`` from them.
+Defaults per ``--gpus`` (:data:`PRESETS`; each flag overrides): 1: both workloads, the delta
+wire, 3 timed steps (issue 31's run); 2: ``fixed``, the wires ``full,delta``, 10 timed
+steps (issue 34's run).
 
-    python benchmarks/gpu/async_overlap.py --out OUT                 # 1 x GPU, ~6 min
-    python benchmarks/gpu/async_overlap.py --smoke --out /tmp/x      # CPU, tiny, CI
+Protocol: per round and workload, the colocated launch, then one async launch per wire of
+``--sync-wires`` (their order turning per round), ``--rounds`` rounds while they fit in
+``--budget-s``; each launch: numerics check (the first rollout's log-probs against a plain HF
+forward), ``--warmup`` untimed + ``--steps`` timed steps, every metric finite; each async
+launch first times the bridge (``_bridge_probe.py``: send/recv round trips of
+``--probe-bytes`` between the training and the rollout rank on the bridge's transport, the
+fastest one giving the line rate). ``train.torch_compile`` is off in both modes (its
+compilations would take most of a launch and their late recompiles land in timed steps; the
+rollout's CUDA graph stays on, auto). tokens/s = tokens trained (prompt + response, all
+ranks) / wall time of the timed steps on training rank 0; per GPU = that / ``--gpus``. Per
+workload and wire one record ``metric: tokens_per_s_vs_colocated`` (``gpus``, ``sync_wire``,
+one ``run_id`` per call): the median of the per-round ratios async/colocated, each mode's
+median tokens/s (total and per GPU), step time and spread (min, max), and the weight sync's
+numbers (``_overlap_sync.py``: bytes, changed fraction, sync time, generation pause,
+``pause_vs_step``, ``sync_time_vs_line_rate`` against the probe, ``delta_bytes_vs_full`` on
+the delta wire), appended to ``OUT/async_rollout.jsonl``; ``OUT/async_overlap.md`` from
+them, with ``--gpus 2`` each of issue 34's targets met or missed.
+
+    python benchmarks/gpu/async_overlap.py --out OUT                   # 1 x GPU, ~6 min
+    python benchmarks/gpu/async_overlap.py --gpus 2 --out OUT          # 2 x GPU (not run yet)
+    python benchmarks/gpu/async_overlap.py --smoke --out /tmp/x        # CPU, tiny, CI
+    python benchmarks/gpu/async_overlap.py --smoke --gpus 2 --out /tmp/x  # CPU: 2 ranks vs 1 + 1
+
+On 2 x H200 (``nvidia-h200-x2``), from the repository root with ``.whl/`` carried, one device
+call of at most 600 s (``NCCL_NVLS_ENABLE=0`` from ``_env.sh``; the script's GPUS=2 defaults:
+10 timed steps, 180 s per launch, so a hung first round of 3 launches still ends in time; a
+second round starts only if it fits in BUDGET_S, 420 s)::
+
+    source benchmarks/gpu/setup.sh && GPUS=2 ROUNDS=2 bash benchmarks/gpu/async_overlap.sh OUTDIR
 """
 
 from __future__ import annotations
