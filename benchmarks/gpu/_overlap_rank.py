@@ -1,13 +1,15 @@
-"""One launch of ``benchmarks/gpu/async_overlap.py``: a colocated job (1 process) or an
-async job (1 training + 1 rollout process), timed on the training rank.
+"""One launch of ``benchmarks/gpu/async_overlap.py``: a colocated job (``--gpus`` data-parallel
+processes) or an async job (1 training + 1 rollout process), timed on training rank 0.
 
-Run by :func:`verl_comm.distributed.launch.run_ranks` (1 or 2 ranks: ``RANK``,
-``WORLD_SIZE``, ``MASTER_PORT`` ... set); rank 0 appends one JSON line
-(per-step times, tokens, phases, numerics) to ``--raw``. The workload is the one of
-``benchmarks/ppo_throughput.py`` (``benchmarks/_ppo_workload.py``: random-init model of a
-named shape, fixed-length prompts, :class:`FixedLengthTask`, :func:`run_verl`'s config), with
-``--spread LO HI``: every response ends with EOS forced at a length drawn uniformly from
-``[LO, HI]`` per prompt (:func:`forced_lengths`).
+Run by :func:`verl_comm.distributed.launch.run_ranks` (``--gpus`` ranks colocated, 2 async:
+``RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` ... set); rank 0 appends one JSON line (per-step
+times, tokens, phases, numerics; async: the bridge's measured line rate,
+``benchmarks/gpu/_bridge_probe.py``) to ``--raw``. The global batch is the same in both
+modes (``train.rollout_batch_size``: each of 2 colocated ranks makes half of it). The
+workload is the one of ``benchmarks/ppo_throughput.py`` (``benchmarks/_ppo_workload.py``:
+random-init model of a named shape, fixed-length prompts, :class:`FixedLengthTask`,
+:func:`run_verl`'s config), with ``--spread LO HI``: every response ends with EOS forced at
+a length drawn uniformly from ``[LO, HI]`` per prompt (:func:`forced_lengths`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ sys.path.insert(0, str(BENCH_DIR))  # the ppo_throughput helper modules
 from _ppo_env import _sync  # noqa: E402
 from _ppo_verl import _task_replaced, check_log_probs_vs_hf, verl_config  # noqa: E402
 from _ppo_workload import FixedLengthTask, Setup, fixed_length_prompts, load_tokenizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bridge_probe import probing_join  # noqa: E402
 
 
 def row_lengths(input_ids: torch.Tensor, lo: int, hi: int, seed: int) -> list[int]:
@@ -87,13 +92,14 @@ def forced_lengths(lo: int, hi: int, seed: int):
 
 def job_config(a: argparse.Namespace, s: Setup, run_dir: str) -> dict[str, Any]:
     """:func:`_ppo_verl.verl_config` (``run_verl``'s config) with ``--spread``'s response
-    cap (EOS then not ignored), ``--torch-compile`` and one training process on
-    ``--backend``, plus the async keys in ``--mode async``."""
+    cap (EOS then not ignored), ``--torch-compile`` and the training processes on
+    ``--backend`` (colocated: ``--gpus``; async: one), plus the async keys in ``--mode
+    async``."""
     cfg = verl_config(s, run_dir)
     if a.spread is not None:
         cfg["rollout"].update(max_new_tokens=a.spread[1], ignore_eos=False)
     cfg["train"]["torch_compile"] = {"auto": "auto", "on": True, "off": False}[a.torch_compile]
-    cfg["comm"] = {"nproc": 1, "backend": a.backend}
+    cfg["comm"] = {"nproc": a.gpus if a.mode == "colocated" else 1, "backend": a.backend}
     if a.mode == "async":
         cfg["rollout"].update(
             mode="async", n_ranks=1, max_staleness=1, sync_wire=a.sync_wire, dtype=a.rollout_dtype
@@ -103,10 +109,16 @@ def job_config(a: argparse.Namespace, s: Setup, run_dir: str) -> dict[str, Any]:
 
 
 def _timed_steps(trainer: Any, s: Setup, spread: tuple[int, int] | None) -> list[dict]:
-    """``warmup + steps`` train steps, each between device-synchronised points."""
+    """``warmup + steps`` train steps, each between device-synchronised points (and, with
+    more than one training rank, a barrier before each)."""
+    import torch.distributed as dist
+
+    many = dist.is_initialized() and dist.get_world_size() > 1  # colocated on 2 ranks
     out = []
     for step in range(s.warmup + s.steps):
         _sync()
+        if many:
+            dist.barrier()  # the ranks start each step together (as run_verl)
         t0 = time.perf_counter()
         m = trainer.train_step(step)
         _sync()
@@ -135,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollout-dtype", default="bfloat16")
     p.add_argument("--sync-wire", choices=("full", "delta"), default="delta")
     p.add_argument("--torch-compile", choices=("auto", "on", "off"), default="off")
+    p.add_argument("--gpus", type=int, default=1, help="colocated: comm.nproc")
+    p.add_argument("--probe-bytes", type=int, default=0, help="async: bridge probe size")
     for k, d in (("prompt-len", 256), ("response-len", 256), ("rollout-batch", 128)):
         p.add_argument(f"--{k}", type=int, default=d)
     p.add_argument("--micro-batch", type=int, default=8)
@@ -154,18 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     task = FixedLengthTask(fixed_length_prompts(tok, s.rollout_batch, s.prompt_len, s.seed))
     spread = tuple(a.spread) if a.spread else None
     lengths = forced_lengths(*spread, s.seed) if spread else _nothing()
+    probe = probing_join(a.probe_bytes) if a.mode == "async" else _nothing({})
     if a.mode == "async" and int(os.environ["RANK"]) >= 1:  # the rollout rank
         import verl_ppo.asyncrl.rollout_worker as rw
         from verl_ppo.config import build_config
 
         rw.build_prompt_source = lambda *x, **k: task
-        with lengths:
+        with lengths, probe:
             return rw.run_rollout_rank(build_config(cfg))
     from verl_ppo import PPOTrainer
 
     trainer = PPOTrainer(cfg)
     with _task_replaced(task):
-        trainer.setup()
+        with probe as link:
+            trainer.setup()
         numerics = check_log_probs_vs_hf(trainer, task, s)  # the plain rollout, no forcing
         with lengths:
             steps = _timed_steps(trainer, s, spread)
@@ -174,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         **json.loads(a.tag),
         "mode": a.mode,
+        "gpus": a.gpus,
+        "training_ranks": cfg["comm"]["nproc"],
+        "sync_wire": a.sync_wire if a.mode == "async" else None,
+        "link": link or None,
         "spread": list(spread) if spread else None,
         "tokens": sum(r["perf/tokens"] for r in timed),
         "seconds": sum(r["step_s"] for r in timed),
@@ -189,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextmanager
-def _nothing():
-    yield
+def _nothing(value: Any = None):
+    yield value
 
 
 if __name__ == "__main__":
