@@ -20,7 +20,9 @@ mistake costs seconds, not a model load on every rank:
   ``train.sequence_packing``, ...) set explicitly where they cannot apply (no CUDA device,
   an unsupported model), through :func:`verl_ppo.job.fast_path.resolve`, the trainer's resolver;
 - the communication setup: ``comm.backend`` against this machine, ``reward.model``'s spec,
-  and that ``comm.master_port`` and ``monitor.prometheus_port`` are free.
+  and that ``comm.master_port`` and ``monitor.prometheus_port`` are free;
+- on the CPU, no stale build lock of DeepSpeed's shared-memory op (:func:`check_build_lock`:
+  a compile killed half-way leaves one, and every later start would wait on it for ever).
 
 Every failure is a :class:`PreflightError` whose message names the field and the fix.
 """
@@ -186,6 +188,48 @@ def check_reward(cfg: PPOConfig) -> None:
         raise PreflightError(str(exc)) from None
 
 
+# DeepSpeed's CPU accelerator JIT-builds this op at its first init_distributed (FACTS: ~25 s
+# quiet, minutes on a loaded 2-core machine); nothing in its folder changes for this long
+# while a build is alive.
+DS_CPU_OP = "deepspeed_shm_comm"
+STALE_BUILD_S = 900.0
+
+
+def check_build_lock(now: float | None = None, op: str = DS_CPU_OP) -> None:
+    """Refuse to start on a build lock that no build is using.
+
+    torch builds extensions under a ``lock`` file in the op's build folder
+    (``torch/utils/file_baton.py``: a later build waits, without a deadline, until the file is
+    gone). A build killed half-way (Ctrl-C or a timeout during the first launch) leaves it
+    behind, and every later start of the job on this machine waits for ever in
+    ``deepspeed.init_distributed``. A lock is taken as stale when neither it nor any file
+    of the folder changed for :data:`STALE_BUILD_S` seconds (a live build writes its object
+    files within that).
+
+    Raises:
+        PreflightError: naming the lock file and the fix (delete it when no other job on this
+            machine is building the op, or set ``TORCH_EXTENSIONS_DIR`` to another folder).
+    """
+    import time
+    from pathlib import Path
+
+    from verl_ppo.job.compat import extension_build_dir
+
+    folder = extension_build_dir(op)
+    lock = None if folder is None else Path(folder) / "lock"
+    if lock is None or not lock.exists():
+        return
+    newest = max(f.stat().st_mtime for f in (lock, *lock.parent.iterdir()) if f.exists())
+    idle = (time.time() if now is None else now) - newest
+    if idle > STALE_BUILD_S:
+        raise PreflightError(
+            f"{lock} is a build lock of DeepSpeed's CPU op {op} that nothing has touched for "
+            f"{idle / 60:.0f} min (a build killed half-way leaves it; DeepSpeed would wait on "
+            f"it for ever): delete it if no other job on this machine is building the op "
+            f"(rm {lock}), or set TORCH_EXTENSIONS_DIR to another folder"
+        )
+
+
 def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
     """Every check a config file can fail, for a run of ``world_size`` ranks.
 
@@ -215,6 +259,8 @@ def preflight(cfg: PPOConfig, world_size: int, check_port: bool = True) -> None:
     check_fast_path(cfg, model_config)
     check_async_sync(cfg, model_config)
     check_comm(cfg)
+    if not torch.cuda.is_available():
+        check_build_lock()
     ports = [
         ("comm.master_port", cfg.comm.master_port if check_port else None, "127.0.0.1"),
         ("monitor.prometheus_port", cfg.monitor.prometheus_port, cfg.monitor.prometheus_host),
