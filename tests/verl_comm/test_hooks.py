@@ -306,8 +306,7 @@ def test_tensor_bucket():
 def test_auto_policy_uses_link_model_and_logs(slow, caplog):
     """Two thread ranks; the link model is given (socket-like or NVLink-like), the compute
     cost is measured: a slow link compresses, a fast one falls back to the plain path."""
-    import threading
-
+    from tests._threads import run_threads
     from verl_comm.compression import LinkModel, ThreadGroup
 
     group = ThreadGroup(2, timeout_s=30)
@@ -322,11 +321,7 @@ def test_auto_policy_uses_link_model_and_logs(slow, caplog):
             outs[r] = int8_hook(st, make_bucket(it + 100 * r)).value().clone()
 
     with caplog.at_level("INFO", logger="verl_comm.hooks"):
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_threads(rank)
     assert torch.equal(outs[0], outs[1])
     for st in states:
         d = st.buckets[0].decision

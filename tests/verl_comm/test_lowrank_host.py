@@ -15,12 +15,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests._threads import run_threads
 from verl_comm.compression import (
     LocalCollective,
     LowRankBucketState,
@@ -110,11 +110,7 @@ def test_keep_at_first_step_leaves_a_zero_residual():
             generator=torch.Generator().manual_seed(0),
         ).out  # fmt: skip
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_threads(rank)
     assert torch.equal(outs[0], outs[1])
     assert outs[0][s1.offset : s1.offset + s1.numel].abs().max() > 0  # rank 1's average
     assert torch.equal(sts[0].residuals[0][1], torch.zeros(700, 40))
