@@ -193,7 +193,9 @@ class RemoteReward:
             RemoteRewardError: server down (after retries), error status, or a malformed
                 answer; the message names the URL.
         """
-        body = json.dumps(batch.to_json()).encode()
+        # values JSON has no type for travel as their str, as `verl-ppo data export` writes
+        # an entry (reasoning-gym's gsm_symbolic keeps Fractions in metadata.variables)
+        body = json.dumps(batch.to_json(), default=str).encode()
         data = self._request("POST", "/score", body)
         try:
             rewards = json.loads(data)["rewards"]
