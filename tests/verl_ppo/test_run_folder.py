@@ -204,10 +204,17 @@ def test_ctrl_c_during_start_up_says_so(tmp_path):
 
     from tests.verl_ppo._run import ROOT
 
+    def as_from_a_shell() -> None:
+        # a shell starts the job with SIGINT at its default and unblocked; the test process
+        # may not be in that state after earlier tests (in the whole suite this test saw its
+        # job run to the end despite the signal; alone it passes), and a child inherits both
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
     p = subprocess.Popen(
         [sys.executable, "-m", "verl_ppo.train", "--config", "configs/tiny.yaml",
          f"run_dir={tmp_path}"],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_shell,
     )  # fmt: skip
     # main() takes and gives back run_dir's lock before any heavy import (the file stays);
     # from then on it is in start-up (config, preflight, torch) for far longer than the poll
