@@ -188,9 +188,9 @@ def check_reward(cfg: PPOConfig) -> None:
         raise PreflightError(str(exc)) from None
 
 
-# DeepSpeed's CPU accelerator JIT-builds this op at its first init_distributed (FACTS: ~25 s
-# quiet, minutes on a loaded 2-core machine); nothing in its folder changes for this long
-# while a build is alive.
+# DeepSpeed's CPU accelerator JIT-builds this op at its first init_distributed (README, Quick
+# start: minutes on a 2-core machine); nothing in its folder changes for this long while a
+# build is alive.
 DS_CPU_OP = "deepspeed_shm_comm"
 STALE_BUILD_S = 900.0
 
@@ -219,7 +219,7 @@ def check_build_lock(now: float | None = None, op: str = DS_CPU_OP) -> None:
     lock = None if folder is None else Path(folder) / "lock"
     if lock is None or not lock.exists():
         return
-    newest = max(f.stat().st_mtime for f in (lock, *lock.parent.iterdir()) if f.exists())
+    newest = max(f.stat().st_mtime for f in lock.parent.iterdir() if f.exists())
     idle = (time.time() if now is None else now) - newest
     if idle > STALE_BUILD_S:
         raise PreflightError(
