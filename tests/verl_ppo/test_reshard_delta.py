@@ -14,9 +14,9 @@ from verl_ppo.reshard.delta import (
     INDEX,
     _pack_bits,
     _unpack_bits,
+    changed_positions,
     checksum,
     choose_encoding,
-    count_true,
     decode_,
     encode,
     encoded_nbytes,
@@ -180,14 +180,18 @@ def test_bitmask_packing_matches_numpy(n):
     )
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 1001, 1 << 16])
-def test_count_true_matches_sum(n):
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 8, 1001, 1 << 16])
+@pytest.mark.parametrize("frac", [0.0, 0.02, 0.3, 1.0])
+def test_changed_positions_match_elementwise_compare(n, frac):
     g = torch.Generator().manual_seed(n)
-    mask = torch.rand(n, generator=g) < 0.3
-    assert int(count_true(mask)) == int(mask.sum())
-    assert int(count_true(mask[3:])) == int(mask[3:].sum())  # misaligned: copied first
-    if n % 16 == 0:
-        assert count_true(mask, 2).tolist() == [int(h.sum()) for h in mask.chunk(2)]
-    assert int(count_true(torch.ones(n, dtype=torch.bool))) == n  # 8 per word: no carry
-    with pytest.raises(ValueError, match="64-bit words"):
-        count_true(torch.zeros(24, dtype=torch.bool), 2)
+    ref = torch.randn(n, generator=g).to(torch.bfloat16)
+    new = ref.clone()
+    hit = torch.rand(n, generator=g) < frac
+    new[hit] = torch.randn(int(hit.sum()), generator=g).to(torch.bfloat16)
+    new[: min(n, 2)] = -ref[: min(n, 2)]  # sign flips (and -0.0 vs 0.0) are changes too
+    want = (ref.view(torch.int16) != new.view(torch.int16)).nonzero().view(-1)
+    assert torch.equal(changed_positions(ref, new), want)
+    # a view starting mid-word (not 64-bit aligned) goes element by element
+    want1 = (ref[1:].view(torch.int16) != new[1:].view(torch.int16)).nonzero().view(-1)
+    assert torch.equal(changed_positions(ref[1:], new[1:]), want1)
+    assert changed_positions(ref, new).dtype == torch.int64

@@ -43,7 +43,6 @@ ENCODINGS = {FULL: "full", INDEX: "index", BITMASK: "bitmask"}
 _BLOCK = 1024  # 64-bit words per row of the blockwise checksum
 _BITS = (1, 2, 4, 8, 16, 32, 64, 128)
 _GATHER = 0x0102040810204080  # byte i's low bit -> bit 56 + i of the product
-_ONES = 0x0101010101010101  # the 8 bytes' sum -> the product's top byte
 
 
 @dataclass(frozen=True)
@@ -112,25 +111,6 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return (((_as(m, torch.int64) * _GATHER) >> 56) & 0xFF).to(torch.uint8)
 
 
-def count_true(mask: torch.Tensor, parts: int = 1) -> torch.Tensor:
-    """True elements of a 1-D bool ``mask`` in each of ``parts`` equal consecutive parts
-    (int64 ``(parts,)``, on the mask's device). Each 8 flags read as an int64 word are
-    summed into its top byte by one multiply with :data:`_ONES` (at most 8: no carry), ~50x
-    faster than ``mask.sum()``, which widens every flag to int64 first.
-
-    Raises:
-        ValueError: ``mask.numel()`` is not ``parts`` times a multiple of 8 (one part: any
-            length, padded).
-    """
-    m = mask.view(torch.uint8)
-    if parts == 1 and m.numel() % 8:
-        m = torch.nn.functional.pad(m, (0, (-m.numel()) % 8))
-    if m.numel() % (8 * parts):
-        raise ValueError(f"{m.numel()} flags are not {parts} parts of whole 64-bit words")
-    words = _as(m, torch.int64).view(parts, -1)
-    return (((words * _ONES) >> 56) & 0xFF).sum(1)
-
-
 def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     weights = torch.tensor(_BITS, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(1) & weights) != 0).view(-1)[:n]
@@ -148,23 +128,40 @@ def _pair(reference: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, tor
     return _int_view(reference, "reference"), _int_view(new, "new")
 
 
-def changed_mask(reference: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Bool ``(n,)``: the elements of ``new`` whose bits differ from ``reference``'s (same
-    checks as :func:`encode`). Lets a caller count a whole stream's changes per bucket in
-    one pass and hand each bucket's slice to :func:`encode`."""
+def changed_positions(reference: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Sorted int64 ``(k,)``: the positions of the elements of ``new`` whose bits differ
+    from ``reference``'s (same checks as :func:`encode`).
+
+    Compares four 16-bit elements at a time as one 64-bit word, then only the changed
+    words lane by lane: at RL learning rates a few percent of the words change, so this
+    reads each element once and scans a quarter as many flags as an element-wise
+    ``(reference != new).nonzero()`` (about 2.5x faster on one CPU core at 1.7% changed).
+    """
     old_w, new_w = _pair(reference, new)
-    return old_w != new_w
+    n = new_w.numel()
+    q = n // 4 if old_w.storage_offset() % 4 == new_w.storage_offset() % 4 == 0 else 0
+    parts = []
+    if q:
+        ow, nw = old_w[: 4 * q].view(torch.int64), new_w[: 4 * q].view(torch.int64)
+        words = (ow != nw).nonzero().view(-1)
+        lanes = (ow.index_select(0, words) ^ nw.index_select(0, words)).view(torch.int16) != 0
+        flat = lanes.view(-1).nonzero().view(-1)
+        parts.append(words.index_select(0, flat >> 2) * 4 + (flat & 3))
+    if 4 * q < n or not parts:  # a ragged tail, or a misaligned view: element by element
+        parts.append((old_w[4 * q :] != new_w[4 * q :]).nonzero().view(-1) + 4 * q)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def encode(
-    reference: torch.Tensor, new: torch.Tensor, mask: torch.Tensor | None = None
+    reference: torch.Tensor, new: torch.Tensor, positions: torch.Tensor | None = None
 ) -> EncodedBucket:
     """Encode ``new`` against ``reference`` (what the receiver holds), smallest per bucket.
 
     Args:
         reference: 1-D contiguous bf16/fp16 tensor, the values the receiver holds now.
         new: same shape, dtype and device: the values it must hold after decoding.
-        mask: ``changed_mask(reference, new)`` if the caller has it (else computed here).
+        positions: ``changed_positions(reference, new)`` if the caller has it (e.g. a
+            slice of a whole stream's, shifted to this bucket); else computed here.
 
     Returns:
         an :class:`EncodedBucket` (the payload never aliases the inputs).
@@ -173,17 +170,20 @@ def encode(
         ValueError: shapes, dtypes or devices differ, a tensor is not 1-D, contiguous and
             16-bit floating point.
     """
-    old_w, new_w = _pair(reference, new)
+    _, new_w = _pair(reference, new)
     n = new.numel()
-    mask = old_w != new_w if mask is None else mask
-    changed = int(count_true(mask))
+    pos = changed_positions(reference, new) if positions is None else positions
+    changed = pos.numel()
     kind = choose_encoding(n, changed, new.element_size())
     if kind == FULL:
         payload = new_w.clone().view(torch.uint8)
     else:
-        pos = mask.nonzero().view(-1)  # once: the values are gathered with it too
         values = new_w.index_select(0, pos).view(torch.uint8)
-        head = pos.to(torch.int32).view(torch.uint8) if kind == INDEX else _pack_bits(mask)
+        if kind == INDEX:
+            head = pos.to(torch.int32).view(torch.uint8)
+        else:
+            mask = torch.zeros(n, dtype=torch.bool, device=new.device).index_fill_(0, pos, True)
+            head = _pack_bits(mask)
         payload = torch.cat([head, values])
     assert payload.numel() == encoded_nbytes(kind, n, changed, new.element_size())
     return EncodedBucket(kind, n, changed, payload)

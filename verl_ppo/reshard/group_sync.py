@@ -2,15 +2,17 @@
 
 Runs a :class:`~verl_ppo.reshard.group_plan.GroupSyncPlan`. Per sync and per stream the
 sender posts, with ``isend`` on the sync group (gloo on CPU, NCCL on GPUs: the transport is
-the group's backend), one header (int64: the stream's :func:`~verl_ppo.reshard.delta.checksum`
-and ``(encoding, changed)`` per bucket), then one message per bucket that has bytes. With
+the group's backend), one header (int64 ``(encoding, changed)`` per bucket), then one message
+per bucket that has bytes, then a trailer (the stream's
+:func:`~verl_ppo.reshard.delta.checksum`, two int64). With
 ``wire="full"`` every bucket is the rollout-dtype values; with ``wire="delta"`` it is the
 :mod:`~verl_ppo.reshard.delta` encoding against what the receiver already holds (the first
 sync is full). Bytes are counted from the tensors handed to ``isend``/``irecv``.
 
 The rollout side keeps generating with its live weights while a background thread receives
 into a staging copy: it posts the header receive, then the bucket receives (sizes from the
-header), waits for them and decodes each bucket into staging, then checks the checksum (the
+header) and the trailer's, waits for them and decodes each bucket into staging, then checks
+the trailer's checksum (the
 staging copy is bit-identical to the trainer's weights cast to the rollout dtype, or a
 :class:`WeightSyncError` says which stream differs). :meth:`SyncReceiver.switch` waits only
 for what is left and copies staging into the live weights; its duration is the pause of
@@ -38,10 +40,9 @@ import torch.distributed as dist
 from verl_ppo.reshard.delta import (
     ENCODINGS,
     FULL,
-    changed_mask,
+    changed_positions,
     checksum,
     choose_encoding,
-    count_true,
     decode_,
     encode,
     encoded_nbytes,
@@ -64,7 +65,7 @@ class SyncStats:
         step: sync counter (0 = the first, always full).
         wire: ``"full"`` or ``"delta"``.
         bytes_sent, bytes_received: all bytes handed to isend / irecv (headers included).
-        header_bytes: the headers' share of those bytes.
+        header_bytes: the headers' and trailers' share of those bytes.
         elems: rollout-dtype elements covered; changed: of them, different from the last sync.
         encodings: buckets per encoding name.
         encode_s: sender, seconds to cast, slice and encode.
@@ -211,16 +212,14 @@ def wait_work(
         raise error(f"{what} {kind}: {e}") from e
 
 
-def _counts(mask: torch.Tensor, buckets: list[tuple[int, int]]) -> list[int]:
-    """True elements of ``mask`` per bucket (equal buckets, the last maybe shorter): one
-    reduction and one device-to-host copy, not one per bucket."""
+def _split(pos: torch.Tensor, buckets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of the sorted stream positions ``pos`` that fall in each bucket:
+    one ``searchsorted`` and one device-to-host copy, not one per bucket."""
     if not buckets:
         return []
-    size = buckets[0][1] - buckets[0][0]
-    whole = mask.numel() // size if size % 8 == 0 else 0  # buckets of whole 64-bit words
-    parts = [count_true(mask[: whole * size], whole)] if whole else []
-    parts += [count_true(mask[a:b]) for a, b in buckets[whole:]]
-    return torch.cat(parts).tolist()
+    bounds = torch.tensor([a for a, _ in buckets] + [buckets[-1][1]], device=pos.device)
+    cuts = torch.searchsorted(pos, bounds).tolist()
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def _check_wire(wire: str) -> None:
@@ -322,40 +321,48 @@ class SyncSender:
         return flat
 
     def _header(self, i: int, s: SyncStream, new: torch.Tensor, stats: SyncStats) -> list:
-        """Count the stream's changes per bucket (one compare over the stream) and post
-        its header; returns the buckets still to encode ``(a, b, kind, changed, mask)``."""
+        """Find the stream's changed positions (one compare over the stream), count them
+        per bucket and post its header; returns the buckets still to encode
+        ``(a, b, kind, changed, positions)`` (positions bucket-local, None for full)."""
         ref = self._ref.get(i) if self.wire == "delta" else None
-        mask = None if ref is None else changed_mask(ref, new)
-        header, todo = [*checksum(new)], []
+        pos = None if ref is None else changed_positions(ref, new)
+        header, todo = [], []
         buckets = s.buckets(self.plan.bucket_elems)
-        counts = [b - a for a, b in buckets] if mask is None else _counts(mask, buckets)
-        for (a, b), changed in zip(buckets, counts):
-            kind = FULL if mask is None else choose_encoding(b - a, changed, new.element_size())
+        cuts = [(0, b - a) for a, b in buckets] if pos is None else _split(pos, buckets)
+        for (a, b), (lo, hi) in zip(buckets, cuts):
+            changed = hi - lo
+            kind = FULL if pos is None else choose_encoding(b - a, changed, new.element_size())
             header += [kind, changed]
             stats.changed += changed
             stats.encodings[ENCODINGS[kind]] = stats.encodings.get(ENCODINGS[kind], 0) + 1
             if encoded_nbytes(kind, b - a, changed, new.element_size()):
-                todo.append((a, b, kind, changed, None if mask is None else mask[a:b]))
-        h = torch.tensor(header, dtype=torch.int64, device=self.device)
-        stats.header_bytes += h.numel() * h.element_size()
-        self._pending.append((self.peer.isend(h, s.dst, stats), s.dst, "header send", h))
+                todo.append((a, b, kind, changed, None if pos is None else pos[lo:hi] - a))
+        self._post_small(header, s.dst, "header send", stats)
         return todo
 
-    def _payload(self, i: int, new: torch.Tensor, a: int, b: int, kind: int, changed: int, mask):
+    def _post_small(self, values: list[int], dst: int, phase: str, stats: SyncStats) -> None:
+        """isend a header or trailer (int64 values) to ``dst``, counted as header bytes."""
+        h = torch.tensor(values, dtype=torch.int64, device=self.device)
+        stats.header_bytes += h.numel() * h.element_size()
+        self._pending.append((self.peer.isend(h, dst, stats), dst, phase, h))
+
+    def _payload(self, i: int, new: torch.Tensor, a: int, b: int, kind: int, changed: int, pos):
         if kind == FULL:
             return new[a:b].view(torch.uint8)
-        enc = encode(self._ref[i][a:b], new[a:b], mask)
+        enc = encode(self._ref[i][a:b], new[a:b], pos)
         assert (enc.kind, enc.changed) == (kind, changed)  # the header said so
         return enc.payload
 
     def start(self, params: Mapping[str, torch.Tensor]) -> SyncStats:
         """Post this rank's streams for the current weights; returns without waiting.
 
-        Per stream its header (checksum and per-bucket sizes, from one compare over the
+        Per stream its header (per-bucket encodings and sizes, from one compare over the
         stream) and its first bucket go out before the next stream is cast, then the other
         buckets, encoded one at a time round-robin over the streams, so the wire carries
         bucket ``k`` while bucket ``k + 1`` is encoded instead of waiting for whole
-        streams' encodings.
+        streams' encodings. Each stream's checksum goes last, in a trailer computed while
+        the buckets are on the wire (in the header it held back the first byte by a full
+        pass over the stream).
 
         Args:
             params: full (per-stage) training weights by HF name, any float dtype.
@@ -386,6 +393,8 @@ class SyncSender:
         for k in range(1, max(map(len, todos), default=0)):
             for i in range(len(self.streams)):
                 post(i, k)
+        for s, new in zip(self.streams, news):
+            self._post_small([*checksum(new)], s.dst, "checksum send", stats)
         if self.wire == "delta":
             self._ref = dict(enumerate(news))
         stats.elems = sum(s.numel for s in self.streams)
@@ -486,11 +495,15 @@ class SyncReceiver:
     def _receive(self) -> None:
         st, peer, dl = self._stats, self.peer, self._deadline
         bucket_lists = [s.buckets(self.plan.bucket_elems) for s in self.streams]
-        headers = []
-        for s, bl in zip(self.streams, bucket_lists):
-            h = torch.empty(2 + 2 * len(bl), dtype=torch.int64, device=self.device)
+        headers, trailers = [], []
+
+        def small(n: int, src: int) -> tuple[torch.Tensor, dist.Work]:
+            h = torch.empty(n, dtype=torch.int64, device=self.device)
             st.header_bytes += h.numel() * h.element_size()
-            headers.append((h, peer.irecv(h, s.src, st)))
+            return h, peer.irecv(h, src, st)
+
+        for s, bl in zip(self.streams, bucket_lists):
+            headers.append(small(2 * len(bl), s.src))
         posted = []
         for i, (s, bl, (h, work), stage) in enumerate(
             zip(self.streams, bucket_lists, headers, self._staging)
@@ -499,7 +512,7 @@ class SyncReceiver:
             if i == 0:
                 st.wait_s = time.perf_counter() - self._t0
             meta = h.view(-1, 2).tolist()
-            for k, ((a, b), (kind, changed)) in enumerate(zip(bl, meta[1:])):
+            for k, ((a, b), (kind, changed)) in enumerate(zip(bl, meta)):
                 st.changed += changed
                 name = ENCODINGS[kind]
                 st.encodings[name] = st.encodings.get(name, 0) + 1
@@ -512,13 +525,15 @@ class SyncReceiver:
                     else torch.empty(n, dtype=torch.uint8, device=self.device)
                 )
                 posted.append((s, k, len(bl), a, b, kind, changed, buf, peer.irecv(buf, s.src, st)))
+            trailers.append(small(2, s.src))  # after the buckets: one peer's messages in order
             st.elems += s.numel
         for s, k, nb, a, b, kind, changed, buf, work in posted:
             peer.wait(work, dl, s.src, f"bucket receive {k + 1}/{nb}")
             if kind != FULL:
                 decode_(self._staging[self.streams.index(s)][a:b], kind, changed, buf)
-        for s, (h, _), stage in zip(self.streams, headers, self._staging):
-            want, got = tuple(h[:2].tolist()), checksum(stage)
+        for s, (h, work), stage in zip(self.streams, trailers, self._staging):
+            peer.wait(work, dl, s.src, "checksum receive")
+            want, got = tuple(h.tolist()), checksum(stage)
             if want != got:
                 raise WeightSyncError(
                     f"rank {self.rank}: weight sync checksum from rank {s.src} differs "
