@@ -2,17 +2,17 @@
 
 Runs a :class:`~verl_ppo.reshard.group_plan.GroupSyncPlan`. Per sync and per stream the
 sender posts, with ``isend`` on the sync group (gloo on CPU, NCCL on GPUs: the transport is
-the group's backend), one header (int64 ``(encoding, changed)`` per bucket), then one message
-per bucket that has bytes, then a trailer (the stream's
+the group's backend), per bucket a header (int64 ``(encoding, changed)``) and then the
+bucket's bytes (when it has any), then a trailer (the stream's
 :func:`~verl_ppo.reshard.delta.checksum`, two int64). With
 ``wire="full"`` every bucket is the rollout-dtype values; with ``wire="delta"`` it is the
 :mod:`~verl_ppo.reshard.delta` encoding against what the receiver already holds (the first
 sync is full). Bytes are counted from the tensors handed to ``isend``/``irecv``.
 
 The rollout side keeps generating with its live weights while a background thread receives
-into a staging copy: it posts the header receive, then the bucket receives (sizes from the
-header) and the trailer's, waits for them and decodes each bucket into staging, then checks
-the trailer's checksum (the
+into a staging copy: per stream it posts the first header's receive, and on each header's
+arrival that bucket's receive (its size from the header) and the next header's, then the
+trailer's; it decodes each bucket into staging and checks the trailer's checksum (the
 staging copy is bit-identical to the trainer's weights cast to the rollout dtype, or a
 :class:`WeightSyncError` says which stream differs). :meth:`SyncReceiver.switch` waits only
 for what is left and copies staging into the live weights; its duration is the pause of
@@ -212,16 +212,6 @@ def wait_work(
         raise error(f"{what} {kind}: {e}") from e
 
 
-def _split(pos: torch.Tensor, buckets: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``[lo, hi)`` ranges of the sorted stream positions ``pos`` that fall in each bucket:
-    one ``searchsorted`` and one device-to-host copy, not one per bucket."""
-    if not buckets:
-        return []
-    bounds = torch.tensor([a for a, _ in buckets] + [buckets[-1][1]], device=pos.device)
-    cuts = torch.searchsorted(pos, bounds).tolist()
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
 def _check_wire(wire: str) -> None:
     if wire not in WIRES:
         raise ValueError(f"sync wire {wire!r} is not one of {WIRES}")
@@ -320,49 +310,47 @@ class SyncSender:
             off += sh.numel
         return flat
 
-    def _header(self, i: int, s: SyncStream, new: torch.Tensor, stats: SyncStats) -> list:
-        """Find the stream's changed positions (one compare over the stream), count them
-        per bucket and post its header; returns the buckets still to encode
-        ``(a, b, kind, changed, positions)`` (positions bucket-local, None for full)."""
-        ref = self._ref.get(i) if self.wire == "delta" else None
-        pos = None if ref is None else changed_positions(ref, new)
-        header, todo = [], []
-        buckets = s.buckets(self.plan.bucket_elems)
-        cuts = [(0, b - a) for a, b in buckets] if pos is None else _split(pos, buckets)
-        for (a, b), (lo, hi) in zip(buckets, cuts):
-            changed = hi - lo
-            kind = FULL if pos is None else choose_encoding(b - a, changed, new.element_size())
-            header += [kind, changed]
-            stats.changed += changed
-            stats.encodings[ENCODINGS[kind]] = stats.encodings.get(ENCODINGS[kind], 0) + 1
-            if encoded_nbytes(kind, b - a, changed, new.element_size()):
-                todo.append((a, b, kind, changed, None if pos is None else pos[lo:hi] - a))
-        self._post_small(header, s.dst, "header send", stats)
-        return todo
-
     def _post_small(self, values: list[int], dst: int, phase: str, stats: SyncStats) -> None:
         """isend a header or trailer (int64 values) to ``dst``, counted as header bytes."""
         h = torch.tensor(values, dtype=torch.int64, device=self.device)
         stats.header_bytes += h.numel() * h.element_size()
         self._pending.append((self.peer.isend(h, dst, stats), dst, phase, h))
 
-    def _payload(self, i: int, new: torch.Tensor, a: int, b: int, kind: int, changed: int, pos):
-        if kind == FULL:
-            return new[a:b].view(torch.uint8)
-        enc = encode(self._ref[i][a:b], new[a:b], pos)
-        assert (enc.kind, enc.changed) == (kind, changed)  # the header said so
-        return enc.payload
+    def _bucket(self, i: int, k: int, new: torch.Tensor, stats: SyncStats) -> None:
+        """Compare bucket ``k`` of stream ``i`` with what its receiver holds, then post its
+        header ``(encoding, changed)`` and its payload (when it has bytes)."""
+        s = self.streams[i]
+        buckets = s.buckets(self.plan.bucket_elems)
+        a, b = buckets[k]
+        ref = self._ref.get(i) if self.wire == "delta" else None
+        isz = new.element_size()
+        if ref is None:
+            kind, changed, pos = FULL, b - a, None
+        else:
+            pos = changed_positions(ref[a:b], new[a:b])
+            kind, changed = choose_encoding(b - a, pos.numel(), isz), pos.numel()
+        stats.changed += changed
+        stats.encodings[ENCODINGS[kind]] = stats.encodings.get(ENCODINGS[kind], 0) + 1
+        of = f"{k + 1}/{len(buckets)}"
+        self._post_small([kind, changed], s.dst, f"header send {of}", stats)
+        if encoded_nbytes(kind, b - a, changed, isz):
+            t = (
+                new[a:b].view(torch.uint8)
+                if kind == FULL
+                else encode(ref[a:b], new[a:b], pos).payload
+            )
+            self._pending.append((self.peer.isend(t, s.dst, stats), s.dst, f"bucket send {of}", t))
 
     def start(self, params: Mapping[str, torch.Tensor]) -> SyncStats:
         """Post this rank's streams for the current weights; returns without waiting.
 
-        Per stream its header (per-bucket encodings and sizes, from one compare over the
-        stream) and its first bucket go out before the next stream is cast, then the other
-        buckets, encoded one at a time round-robin over the streams, so the wire carries
-        bucket ``k`` while bucket ``k + 1`` is encoded instead of waiting for whole
-        streams' encodings. Each stream's checksum goes last, in a trailer computed while
-        the buckets are on the wire (in the header it held back the first byte by a full
-        pass over the stream).
+        Per stream and bucket a header (encoding and changed count) then the payload, so a
+        bucket goes out as soon as it is compared and encoded: each stream's first bucket
+        right after the stream is cast, the other buckets round-robin over the streams,
+        so the wire carries bucket ``k`` while bucket ``k + 1`` is compared. A header for
+        a whole stream held the first byte back by a compare over the stream, and the
+        checksum in it by one more pass; the checksum now goes last, in a trailer
+        computed while the buckets are on the wire.
 
         Args:
             params: full (per-stage) training weights by HF name, any float dtype.
@@ -377,22 +365,16 @@ class SyncSender:
         self.finish()
         stats = SyncStats(self.step, self.wire, started_at=time.time())
         t0 = time.perf_counter()
-        news, todos = [], []
-
-        def post(i: int, k: int) -> None:
-            s, todo = self.streams[i], todos[i]
-            if k < len(todo):
-                t = self._payload(i, news[i], *todo[k])
-                phase = f"bucket send {k + 1}/{len(todo)}"
-                self._pending.append((self.peer.isend(t, s.dst, stats), s.dst, phase, t))
-
-        for i, s in enumerate(self.streams):  # the wire starts after one stream's work
+        counts = [len(s.buckets(self.plan.bucket_elems)) for s in self.streams]
+        news = []
+        for i, s in enumerate(self.streams):  # the wire starts after one bucket's work
             news.append(self._flat(s, params))
-            todos.append(self._header(i, s, news[i], stats))
-            post(i, 0)
-        for k in range(1, max(map(len, todos), default=0)):
+            if counts[i]:
+                self._bucket(i, 0, news[i], stats)
+        for k in range(1, max(counts, default=0)):
             for i in range(len(self.streams)):
-                post(i, k)
+                if k < counts[i]:
+                    self._bucket(i, k, news[i], stats)
         for s, new in zip(self.streams, news):
             self._post_small([*checksum(new)], s.dst, "checksum send", stats)
         if self.wire == "delta":
@@ -495,42 +477,50 @@ class SyncReceiver:
     def _receive(self) -> None:
         st, peer, dl = self._stats, self.peer, self._deadline
         bucket_lists = [s.buckets(self.plan.bucket_elems) for s in self.streams]
-        headers, trailers = [], []
+        n_streams = len(self.streams)
 
         def small(n: int, src: int) -> tuple[torch.Tensor, dist.Work]:
             h = torch.empty(n, dtype=torch.int64, device=self.device)
             st.header_bytes += h.numel() * h.element_size()
             return h, peer.irecv(h, src, st)
 
-        for s, bl in zip(self.streams, bucket_lists):
-            headers.append(small(2 * len(bl), s.src))
+        # one peer's messages are matched in the order posted (gloo per tag, NCCL per
+        # pair): per stream header 1, bucket 1, header 2, ..., bucket K, trailer. A
+        # bucket's receive needs its size, so header k + 1 is posted after bucket k's.
+        heads = [small(2, s.src) if bl else None for s, bl in zip(self.streams, bucket_lists)]
+        trailers = [None if bl else small(2, s.src) for s, bl in zip(self.streams, bucket_lists)]
         posted = []
-        for i, (s, bl, (h, work), stage) in enumerate(
-            zip(self.streams, bucket_lists, headers, self._staging)
-        ):
-            peer.wait(work, dl, s.src, "header receive")
-            if i == 0:
-                st.wait_s = time.perf_counter() - self._t0
-            meta = h.view(-1, 2).tolist()
-            for k, ((a, b), (kind, changed)) in enumerate(zip(bl, meta)):
+        for k in range(max(map(len, bucket_lists), default=0)):
+            for i in range(n_streams):
+                s, bl, stage = self.streams[i], bucket_lists[i], self._staging[i]
+                if k >= len(bl):
+                    continue
+                h, work = heads[i]
+                peer.wait(work, dl, s.src, f"header receive {k + 1}/{len(bl)}")
+                if k == i == 0:
+                    st.wait_s = time.perf_counter() - self._t0
+                kind, changed = h.tolist()
+                (a, b), name = bl[k], ENCODINGS[kind]
                 st.changed += changed
-                name = ENCODINGS[kind]
                 st.encodings[name] = st.encodings.get(name, 0) + 1
                 n = encoded_nbytes(kind, b - a, changed, stage.element_size())
-                if n == 0:
-                    continue
-                buf = (
-                    stage[a:b].view(torch.uint8)
-                    if kind == FULL
-                    else torch.empty(n, dtype=torch.uint8, device=self.device)
-                )
-                posted.append((s, k, len(bl), a, b, kind, changed, buf, peer.irecv(buf, s.src, st)))
-            trailers.append(small(2, s.src))  # after the buckets: one peer's messages in order
-            st.elems += s.numel
-        for s, k, nb, a, b, kind, changed, buf, work in posted:
-            peer.wait(work, dl, s.src, f"bucket receive {k + 1}/{nb}")
+                if n:
+                    buf = (
+                        stage[a:b].view(torch.uint8)
+                        if kind == FULL
+                        else torch.empty(n, dtype=torch.uint8, device=self.device)
+                    )
+                    work = peer.irecv(buf, s.src, st)
+                    posted.append((i, k, len(bl), a, b, kind, changed, buf, work))
+                if k + 1 < len(bl):
+                    heads[i] = small(2, s.src)
+                else:
+                    trailers[i] = small(2, s.src)
+        st.elems = sum(s.numel for s in self.streams)
+        for i, k, nb, a, b, kind, changed, buf, work in posted:
+            peer.wait(work, dl, self.streams[i].src, f"bucket receive {k + 1}/{nb}")
             if kind != FULL:
-                decode_(self._staging[self.streams.index(s)][a:b], kind, changed, buf)
+                decode_(self._staging[i][a:b], kind, changed, buf)
         for s, (h, work), stage in zip(self.streams, trailers, self._staging):
             peer.wait(work, dl, s.src, "checksum receive")
             want, got = tuple(h.tolist()), checksum(stage)
