@@ -24,3 +24,18 @@ def test_async_learning_smoke(tmp_path):
     assert eq["rewards_equal"] and eq["weights"] > 10
     md = (tmp_path / "async_learning.smoke.md").read_text()
     assert "Target (issue 31)" in md and "Staleness 0 equals the colocated mode" in md
+
+
+def test_markdown_judges_the_target_per_run():
+    from benchmarks.async_learning import markdown
+
+    def rec(run_id, seed, gain):
+        return {"run_id": run_id, "seed": seed, "value": gain, "target_met": gain >= 0.3,
+                "commit": "abc1234", "dirty": False, "date": "2026-12-05T00:00:00",
+                "device": "cpu", "overrides": ["rollout.mode=async"], "eval_start": 0.5,
+                "eval_end": 0.5 + gain, "staleness_per_step": [0.0, 1.0],
+                "sync_bytes_sent_per_rank": [2.0, 1.0], "wall_s": 1.0}  # fmt: skip
+
+    md = markdown([rec("old", 0, 0.1), rec("new", 0, 0.35), rec("new", 1, 0.31)])
+    assert "- run `old` (commit `abc1234`): seed 0 +0.100: **missed**" in md
+    assert "- run `new` (commit `abc1234`): seed 0 +0.350, seed 1 +0.310: **met**" in md
