@@ -151,7 +151,7 @@ def int8_allreduce(
     x = x.reshape(-1)
     if x.is_cuda:  # device memory: one pass, fewest launches (captured as a CUDA graph)
         res = None if residual is None else residual.view(-1)
-        return _reduce_slice(x, coll, block, res, average, out)
+        return _reduce_direct(x, coll, block, res, average, out)
     unit = w * block
     total = packed_nbytes(padded_numel(n, block, multiple=w), block)
     slice_bytes = max(HOST_MIN_SLICE_BYTES, -(-total // HOST_SLICES))
@@ -177,9 +177,10 @@ def _reduce_slice(
     step: int | None = None,
 ) -> ReduceResult:
     """The two-step int8 all-reduce of ``x`` into ``out``, every kernel call on at most
-    ``step`` elements (a multiple of ``block``; None: one call per kernel, the device path,
-    fewest launches), codes and scales written straight into the send and all-gather
-    buffers. Blocks keep their positions, so the bits do not depend on ``step``.
+    ``step`` elements (a multiple of ``block``; None: one call per kernel), the host path;
+    each call's codes and scales are copied into the send and all-gather buffers (the device
+    path, :func:`_reduce_direct`, has the kernels write there). Blocks keep their positions,
+    so the bits do not depend on ``step``.
 
     Transient memory (issue 18): the quantized codes and scales of a call exist beside the
     send buffer until they are copied into it, and the owner's results are packed after
@@ -232,6 +233,54 @@ def _reduce_slice(
             if b > a:
                 dequantize(g_codes[r:r_end, lo:hi], g_scales[r:r_end, lo // block : hi // block],
                            block, scale=scale, numel=b - a, out=out[a:b])  # fmt: skip
+    finite = torch.isfinite(g_scales).all()
+    return ReduceResult(out, coll.bytes_sent - sent0, finite)
+
+
+def _reduce_direct(
+    x: torch.Tensor,
+    coll: Collective,
+    block: int,
+    residual: torch.Tensor | None,
+    average: bool,
+    out: torch.Tensor,
+    backend: str = "auto",
+) -> ReduceResult:
+    """The two-step int8 all-reduce of ``x`` (``(N,)``) into ``out`` in one pass: the device
+    path, with the same bits and bytes sent as :func:`_reduce_slice` at any W.
+
+    Each kernel writes where the next step reads, so nothing is copied between them
+    (issue 28): ``quantize_ef`` writes the codes and scales of row w straight into row w
+    of the packed ``(W, L)`` send buffer; the owner's ``dequant_sum_requant`` writes into
+    this rank's row of the all-gather buffer, which the all-gather then uses in place as
+    its input (NCCL's in-place form: input at ``output + rank * L``); ``dequantize`` reads
+    the gathered rows into ``out``. Memory: send + receive (2 x codes + scales) during the
+    all-to-all, then receive + gathered, as before. ``backend`` is the launchers' (tests run
+    the Triton kernels on CPU tensors with ``"triton"``).
+    """
+    n = x.numel()
+    w = coll.world_size
+    n_pad = padded_numel(n, block, multiple=w)
+    m = n_pad // w
+    sent0 = coll.bytes_sent
+    send = torch.empty(w, packed_nbytes(m, block), dtype=torch.uint8, device=x.device)
+    rows = unpack(send, block)
+    if residual is None:
+        quantize(x, block, pad_to=n_pad, out=rows, backend=backend)
+    else:  # residual in x's dtype, fp32, or bf16 for fp32 x: updated in place
+        quantize_ef(x, residual, block, pad_to=n_pad, out=rows, backend=backend)
+    recv = torch.empty_like(send)
+    coll.all_to_all_single(recv.view(-1), send.view(-1))
+    del send, rows
+    gathered = torch.empty_like(recv)
+    mine = gathered[coll.rank]
+    rc, rs = unpack(recv, block)
+    dequant_sum_requant(rc, rs, block, out=unpack(mine, block), backend=backend)
+    del recv, rc, rs
+    coll.all_gather_into_tensor(gathered.view(-1), mine)
+    g_codes, g_scales = unpack(gathered, block)
+    scale = 1.0 / w if average else 1.0
+    dequantize(g_codes, g_scales, block, scale=scale, numel=n, out=out, backend=backend)
     finite = torch.isfinite(g_scales).all()
     return ReduceResult(out, coll.bytes_sent - sent0, finite)
 
