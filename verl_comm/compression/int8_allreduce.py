@@ -29,6 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from verl_comm.kernels import (
+    all_finite,
+    cast_scale,
+    copy_finite,
     dequant_sum_requant,
     dequantize,
     packed_nbytes,
@@ -57,24 +60,6 @@ class ReduceResult:
     out: torch.Tensor
     wire_bytes: int
     finite: torch.Tensor
-
-
-def all_finite(t: torch.Tensor) -> torch.Tensor:
-    """0-dim bool on ``t``'s device: no element of ``t`` is NaN or +-Inf (True if empty).
-
-    One reduction pass without temporaries: on CUDA the inf-norm (max of ``|t|``), on the
-    CPU ``aminmax`` (5x faster there than the inf-norm); both propagate NaN and are Inf iff
-    an element is. ``torch.isfinite(t).all()`` costs four elementwise passes and a
-    full-size temporary (``abs``, two compares, ``and``) before its reduction: ~2 ms of a
-    19 ms DDP step over 403 M fp32 gradients on an H200 (``benchmarks/gpu/hooks_profile.py``).
-    """
-    if t.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    flat = t.reshape(-1)
-    if flat.is_cuda:
-        return torch.isfinite(torch.linalg.vector_norm(flat, float("inf")))
-    lo, hi = torch.aminmax(flat)
-    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def int8_allreduce_wire_bytes(numel: int, world_size: int, block: int = 128) -> int:
@@ -315,25 +300,39 @@ def cast_allreduce(
     """All-reduce ``x`` in ``wire_dtype`` (fp16/bf16/fp32): divide by W first when averaging
     (keeps fp16 from overflowing, as torch's ``fp16_compress_hook``), sum, cast back.
 
+    Two passes around the collective when a cast is needed (issue 28): ``cast_scale``
+    (cast, then divide, as ``x.to(wire_dtype).div_(W)``; one Triton kernel on CUDA) and
+    ``copy_finite`` (the copy back and the finiteness of the reduced values; one kernel on
+    CUDA); on the CPU the same torch operations as before.
+
     Args:
-        x: ``(N,)`` float tensor. coll: the collective. wire_dtype: dtype on the wire.
-        average: divide by W. out: optional ``(N,)`` destination (may alias ``x``; with
-            ``out`` aliasing ``x`` and ``wire_dtype == x.dtype`` no copy is made).
+        x: contiguous ``(N,)`` fp32/bf16/fp16 tensor. coll: the collective.
+        wire_dtype: fp32/bf16/fp16, the dtype on the wire.
+        average: divide by W. out: optional contiguous ``(N,)`` float destination (may
+            alias ``x``; with ``out`` aliasing ``x`` and ``wire_dtype == x.dtype`` no copy
+            is made).
 
     Returns:
-        :class:`ReduceResult` with ``out`` in ``out``'s dtype (default ``x.dtype``).
+        :class:`ReduceResult` with ``out`` in ``out``'s dtype (default ``x.dtype``) and
+        ``finite`` from the reduced wire values (the same verdict on every rank).
+
+    Raises:
+        TypeError / ValueError: non-float or non-contiguous tensors, sizes (the launchers).
     """
     w = coll.world_size
     flat = x.reshape(-1)
+    divisor = w if average else 1
     in_place = wire_dtype == x.dtype and out is not None and out.data_ptr() == flat.data_ptr()
-    buf = flat if in_place else flat.to(wire_dtype, copy=True)
-    if average and w > 1:
-        buf.div_(w)
+    if in_place:
+        buf = flat
+        if divisor > 1:
+            buf.div_(divisor)
+    else:
+        buf = cast_scale(flat, wire_dtype, divisor)
     sent0 = coll.bytes_sent
     if buf.numel():
         coll.all_reduce(buf)
     if out is None:
         out = torch.empty_like(flat)
-    if not in_place:
-        out.copy_(buf)
-    return ReduceResult(out, coll.bytes_sent - sent0, all_finite(buf).to(x.device))
+    finite = all_finite(buf) if in_place else copy_finite(buf, out)
+    return ReduceResult(out, coll.bytes_sent - sent0, finite.to(x.device))
