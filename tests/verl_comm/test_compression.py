@@ -555,8 +555,9 @@ def test_int8_device_path_bit_identical_to_host_slices(
     """The device path (issue 28: kernels write straight into the send buffer and into
     this rank's row of the all-gather buffer, which the all-gather uses in place) gives
     the bits, residuals and bytes of the host path, at W = 1 as at W > 1; ``triton`` runs
-    the kernels in Triton's interpreter on these CPU tensors (conftest), ``auto`` the
-    references. n = 1 at W = 3 leaves rows of only padding."""
+    the kernels on CUDA tensors where there is a GPU, else in Triton's interpreter on CPU
+    tensors (conftest), ``auto`` the references. n = 1 at W = 3 leaves rows of only
+    padding."""
     import sys
 
     mod = sys.modules["verl_comm.compression.int8_allreduce"]
@@ -574,18 +575,23 @@ def test_int8_device_path_bit_identical_to_host_slices(
     res0 = [None if residual_dtype is None else (torch.randn(n, generator=g) * 0.1).to(
         residual_dtype) for _ in range(world)]  # fmt: skip
 
-    def run(fn):
-        rs = [None if r is None else r.clone() for r in res0]
-        return run_ranks(world, lambda r, c: (fn(xs[r], c, rs[r]), rs[r]))
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+    def run(fn, dev="cpu"):
+        rs = [None if r is None else r.clone().to(dev) for r in res0]
+        return run_ranks(world, lambda r, c: (fn(xs[r].to(dev), c, rs[r]), rs[r]))
 
     direct = run(
-        lambda x, c, r: mod._reduce_direct(x, c, 64, r, True, torch.empty(n), backend=backend)
+        lambda x, c, r: mod._reduce_direct(
+            x, c, 64, r, True, torch.empty(n, device=dev), backend=backend
+        ),
+        dev,
     )
     host = run(lambda x, c, r: int8_allreduce(x, c, block=64, residual=r))
     for (a, ra), (b, rb) in zip(direct, host):
-        assert torch.equal(a.out, b.out) and a.wire_bytes == b.wire_bytes
+        assert torch.equal(a.out.cpu(), b.out) and a.wire_bytes == b.wire_bytes
         assert bool(a.finite) and bool(b.finite)
-        assert (ra is None and rb is None) or torch.equal(ra, rb)
+        assert (ra is None and rb is None) or torch.equal(ra.cpu(), rb)
     assert torch.equal(direct[0][0].out, direct[-1][0].out)  # replicas bit-identical
 
 
