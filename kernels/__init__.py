@@ -39,6 +39,7 @@ if __name__ == "kernels":
         raise
 else:
     from ._common import QMAX, SUPPORTED_BLOCKS, TINY, packed_nbytes, padded_numel
+    from .cast import all_finite, cast_scale, copy_finite
     from .ops import dequant_sum_requant, dequantize, quantize, quantize_ef
     from .pack import pack, unpack
     from .reference import (
@@ -53,6 +54,9 @@ else:
         "QMAX",
         "SUPPORTED_BLOCKS",
         "TINY",
+        "all_finite",
+        "cast_scale",
+        "copy_finite",
         "dequant_sum_requant",
         "dequant_sum_requant_ref",
         "dequantize",

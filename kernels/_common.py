@@ -164,3 +164,29 @@ def check_codes_scales(
             raise ValueError(f"{name} must have stride 1 in its last dimension; call .contiguous()")
     rows = codes.shape[0] if codes.dim() == 2 else 1
     return rows, m
+
+
+def check_out_codes_scales(
+    out: tuple[torch.Tensor, torch.Tensor], n_pad: int, block: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate an ``out=(codes, scales)`` destination for ``n_pad`` codes; return it.
+
+    Accepted: codes int8 ``(N_pad,)`` with scales fp32 ``(N_pad // block,)``, or codes
+    ``(R, N_pad // R)`` with scales ``(R, N_pad // R // block)`` whose rows may be strided
+    (views of a packed buffer from :func:`~verl_comm.kernels.unpack`); the last dimension
+    has stride 1 and the tensors live on ``device``. Row ``r`` holds the codes of flat
+    elements ``[r M, (r + 1) M)``.
+
+    Raises:
+        TypeError: ``out`` is not a pair of tensors, or wrong dtypes.
+        ValueError: wrong shapes, strides, device, or not ``n_pad`` codes in all.
+    """
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError("out must be a (codes, scales) tuple of tensors")
+    codes, scales = out
+    rows, m = check_codes_scales(codes, scales, block, batched=None)
+    if rows * m != n_pad:
+        raise ValueError(f"out codes hold {rows * m} elements, the padded input needs {n_pad}")
+    if codes.device != torch.device(device):
+        raise ValueError(f"out is on {codes.device}, the input on {device}")
+    return codes, scales

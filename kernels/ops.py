@@ -21,7 +21,9 @@ from ._common import (
     check_block,
     check_codes_scales,
     check_float_input,
+    check_out_codes_scales,
     empty_codes_scales,
+    resolve_pad,
 )
 
 # (elements per program, warps) per kernel; 32 blocks of 128 per program reach ~4.2 TB/s
@@ -79,6 +81,7 @@ def quantize(
     seed: int = 0,
     offset: int = 0,
     pad_to: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str = "auto",
     launch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,26 +95,36 @@ def quantize(
             CPU reference reproduces the GPU draws bit for bit) instead of round-half-even.
         seed, offset: Philox seed in [0, 2**63) and counter offset (advance it by N_pad per call).
         pad_to: N_pad (>= N, multiple of B), e.g. ``padded_numel(N, B, multiple=W)``.
+        out: optional destination ``(codes, scales)``: int8 ``(N_pad,)`` and fp32
+            ``(N_pad // B,)``, or ``(R, N_pad / R)`` and ``(R, N_pad / R / B)`` with strided
+            rows (e.g. ``unpack`` of a ``(W, L)`` packed send buffer: row r gets elements
+            ``[r M, (r + 1) M)``), written in place with the same bits as the returned
+            tensors of a call without ``out`` (Triton: one launch per row, no copy;
+            reference: computed, then copied in).
         backend, launch: see the module docstring.
 
     Returns:
-        codes int8 ``(N_pad,)`` and scales fp32 ``(N_pad // B,)`` with ``scale = absmax / 127``.
+        codes int8 ``(N_pad,)`` and scales fp32 ``(N_pad // B,)`` with ``scale = absmax / 127``
+        (``out`` itself when given).
         Per-element error ``|x - code * scale| <= scale / 2`` (nearest; up to fp32 rounding),
         ``< scale`` (stochastic). All-zero block: scale 0, codes 0. Block with NaN/Inf:
         scale NaN, codes 0 (detect with ``torch.isfinite(scales)``); no error is raised.
 
     Raises:
-        TypeError / ValueError: dtype, contiguity, block, pad_to, seed/offset, backend.
+        TypeError / ValueError: dtype, contiguity, block, pad_to, seed/offset, backend, out
+            (see :func:`~verl_comm.kernels._common.check_out_codes_scales`).
     """
     check_float_input("x", x)
     check_block(block)
+    out = _check_out(x, block, pad_to, out)
     if not _use_triton(x, backend):
-        return ref.quantize_ref(
+        c, s = ref.quantize_ref(
             x, block, stochastic=stochastic, seed=seed, offset=offset, pad_to=pad_to
         )
+        return _copy_out(c, s, out)
     ref._check_seed(seed, offset)
-    codes, scales = empty_codes_scales(x, block, pad_to)
-    _quantize_launch(x, None, codes, scales, block, stochastic, seed, offset, launch)
+    codes, scales = empty_codes_scales(x, block, pad_to) if out is None else out
+    _quantize_rows(x, None, codes, scales, block, stochastic, seed, offset, launch)
     return codes, scales
 
 
@@ -121,6 +134,7 @@ def quantize_ef(
     block: int = 128,
     *,
     pad_to: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str = "auto",
     launch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,10 +144,11 @@ def quantize_ef(
         x: contiguous fp32/bf16/fp16 tensor of N elements.
         residual: contiguous N elements, dtype ``x.dtype`` or fp32; UPDATED IN PLACE to
             ``(x + residual) - code * scale`` (fp32 arithmetic, then cast to its dtype).
-        block, pad_to, backend, launch: as :func:`quantize` (nearest rounding).
+        block, pad_to, out, backend, launch: as :func:`quantize` (nearest rounding).
 
     Returns:
-        codes int8 ``(N_pad,)``, scales fp32 ``(N_pad // B,)`` of ``v = x + residual``;
+        codes int8 ``(N_pad,)``, scales fp32 ``(N_pad // B,)`` of ``v = x + residual``
+        (``out`` itself when given);
         ``v == dequantize(codes, scales)[:N] + residual_new`` up to fp32 rounding. A block with
         NaN/Inf gets scale NaN and a NaN residual (reset it before the next step).
 
@@ -143,11 +158,48 @@ def quantize_ef(
     check_float_input("x", x)
     ref.check_residual(x, residual)
     check_block(block)
+    out = _check_out(x, block, pad_to, out)
     if not _use_triton(x, backend):
-        return ref.quantize_ef_ref(x, residual, block, pad_to=pad_to)
-    codes, scales = empty_codes_scales(x, block, pad_to)
-    _quantize_launch(x, residual, codes, scales, block, False, 0, 0, launch)
+        return _copy_out(*ref.quantize_ef_ref(x, residual, block, pad_to=pad_to), out)
+    codes, scales = empty_codes_scales(x, block, pad_to) if out is None else out
+    _quantize_rows(x, residual, codes, scales, block, False, 0, 0, launch)
     return codes, scales
+
+
+def _check_out(x, block, pad_to, out):
+    if out is None:
+        return None
+    return check_out_codes_scales(out, resolve_pad(x.numel(), block, pad_to), block, x.device)
+
+
+def _copy_out(codes, scales, out):
+    """The reference's results, or copied into ``out`` (1-D, or rows of a 2-D view)."""
+    if out is None:
+        return codes, scales
+    oc, os_ = out
+    oc.copy_(codes.view(oc.shape))
+    os_.copy_(scales.view(os_.shape))
+    return oc, os_
+
+
+def _quantize_rows(x, residual, codes, scales, block, stochastic, seed, offset, launch) -> None:
+    """Quantize into 1-D ``codes``/``scales``, or row by row into ``(R, M)`` views (one
+    launch per row, each writing its row in place; row r covers elements ``[r M, (r+1) M)``
+    of the padded input, its Philox counters start at ``offset + r M``)."""
+    if codes.dim() == 1:
+        _quantize_launch(x, residual, codes, scales, block, stochastic, seed, offset, launch)
+        return
+    flat = x.view(-1)
+    res = None if residual is None else residual.view(-1)
+    n, m = flat.numel(), codes.shape[1]
+    for r in range(codes.shape[0]):
+        lo = r * m
+        end = max(min(lo + m, n), lo)
+        if end == lo:  # all padding: any valid pointer, no element is read
+            xr, rr = flat[:0], None if res is None else res[:0]
+        else:
+            xr, rr = flat[lo:end], None if res is None else res[lo:end]
+        _quantize_launch(xr, rr, codes[r], scales[r], block, stochastic, seed, offset + lo, launch)
 
 
 def _quantize_launch(x, residual, codes, scales, block, stochastic, seed, offset, launch) -> None:
@@ -254,6 +306,7 @@ def dequant_sum_requant(
     block: int = 128,
     *,
     return_sum: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str = "auto",
     launch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
@@ -264,22 +317,36 @@ def dequant_sum_requant(
         scales: fp32 ``(W, M // B)``.
         block: B.
         return_sum: also return the fp32 sum ``(M,)`` (written by the same pass).
+        out: optional destination ``(codes, scales)``: int8 ``(M,)`` and fp32 ``(M // B,)``,
+            each with stride 1 (e.g. ``unpack`` of this rank's row of an all-gather buffer),
+            written in place with the bits of a call without ``out`` (Triton: by the kernel
+            itself; reference: computed, then copied in). Must not overlap the inputs.
         backend, launch: see the module docstring.
 
     Returns:
         codes int8 ``(M,)`` and scales fp32 ``(M // B,)`` of ``sum_w codes[w] * scales[w]``
         (summed in order w = 0..W-1, nearest rounding, same rules as :func:`quantize`), plus
         the fp32 sum when ``return_sum``. A NaN/Inf input scale gives a NaN output scale.
+        The codes and scales are ``out``'s tensors when given.
 
     Raises:
-        TypeError / ValueError: dtypes, shapes, strides, devices.
+        TypeError / ValueError: dtypes, shapes, strides, devices; ``out`` not 1-D ``(M,)``
+            and ``(M // B,)`` int8/fp32 with stride 1 on the inputs' device.
     """
     w_count, m = check_codes_scales(codes, scales, block, batched=True)
+    if out is not None:
+        out = check_out_codes_scales(out, m, block, codes.device)
+        if out[0].dim() != 1:
+            raise ValueError(f"out codes must be 1-D (M,) = ({m},), got {tuple(out[0].shape)}")
     if not _use_triton(codes, backend):
-        return ref.dequant_sum_requant_ref(codes, scales, block, return_sum=return_sum)
+        res = ref.dequant_sum_requant_ref(codes, scales, block, return_sum=return_sum)
+        return (*_copy_out(res[0], res[1], out), *res[2:])
     dev = codes.device
-    out_codes = torch.empty(m, dtype=torch.int8, device=dev)
-    out_scales = torch.empty(m // block, dtype=torch.float32, device=dev)
+    if out is None:
+        out_codes = torch.empty(m, dtype=torch.int8, device=dev)
+        out_scales = torch.empty(m // block, dtype=torch.float32, device=dev)
+    else:
+        out_codes, out_scales = out
     total = torch.empty(m if return_sum else 0, dtype=torch.float32, device=dev)
     nblocks = m // block
     if nblocks and w_count:

@@ -1,4 +1,5 @@
-"""Triton kernels for int8 absmax block quantization (private; use the launchers in ``ops``).
+"""Triton kernels for int8 absmax block quantization (private; use the launchers in ``ops``),
+and the one-pass casts around a 16-bit all-reduce (launchers in ``cast``).
 
 Each program handles ``BLOCKS_PER_PROG`` quantization blocks of ``BLOCK`` elements as one 2-D
 tile ``(BLOCKS_PER_PROG, BLOCK)``: many blocks per program keep enough bytes in flight to
@@ -205,6 +206,54 @@ def _cast_out(y, dst_ptr, ON_GPU: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         half = tl.where(y != y, 0x7FC0, bits >> 16).to(tl.uint16)
         return half.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _cast_scale_kernel(
+    x_ptr,
+    y_ptr,
+    n,
+    tile0,
+    factor,
+    TILE: tl.constexpr,
+    APPLY_FACTOR: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    USE_INT64: tl.constexpr,
+):
+    """x (n,) float -> y (n,) = round(round(x) * factor) in y's dtype; one tile per program."""
+    pid = tl.program_id(0)
+    if USE_INT64:
+        pid = pid.to(tl.int64)
+    idx = (tile0 + pid) * TILE + tl.arange(0, TILE)
+    mask = idx < n
+    v = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    y = _cast_out(v, y_ptr, ON_GPU)
+    if APPLY_FACTOR:
+        y = _cast_out(y.to(tl.float32) * factor, y_ptr, ON_GPU)
+    tl.store(y_ptr + idx, y, mask=mask)
+
+
+@triton.jit
+def _copy_finite_kernel(
+    src_ptr,
+    dst_ptr,
+    flag_ptr,
+    n,
+    tile0,
+    TILE: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    USE_INT64: tl.constexpr,
+):
+    """src (n,) float -> dst (n,) in dst's dtype; flag (1,) int32 |= 1 if any |src| is NaN/Inf."""
+    pid = tl.program_id(0)
+    if USE_INT64:
+        pid = pid.to(tl.int64)
+    idx = (tile0 + pid) * TILE + tl.arange(0, TILE)
+    mask = idx < n
+    v = tl.load(src_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + idx, _cast_out(v, dst_ptr, ON_GPU), mask=mask)
+    max_bits = tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+    tl.atomic_or(flag_ptr, 1, mask=max_bits >= _INF_BITS)  # only a non-finite tile writes
 
 
 def grid_1d(nblocks: int, blocks_per_prog: int) -> tuple[int]:

@@ -264,3 +264,74 @@ def test_int64_indexing_path_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     got = dequant_sum_requant(cw, sw, 128, return_sum=True, **T)
     want = dequant_sum_requant_ref(cw.cpu(), sw.cpu(), 128, return_sum=True)
     assert all(_same(a.cpu(), b) for a, b in zip(got, want))
+
+
+def _send_rows(n_pad: int, w: int, block: int, fill: int) -> tuple[torch.Tensor, ...]:
+    """Strided ``(W, M)`` codes and ``(W, M / B)`` scales views of a packed send buffer."""
+    from verl_comm.kernels import packed_nbytes
+
+    buf = torch.full((w, packed_nbytes(n_pad // w, block)), fill, dtype=torch.uint8, device=DEV)
+    return unpack(buf, block)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("w,n", ((1, 5_003), (3, 5_003), (4, 1)))
+@pytest.mark.parametrize("backend", ("triton", "torch"))
+def test_quantize_out_rows_bit_exact(dtype: torch.dtype, w: int, n: int, backend: str) -> None:
+    """``out=`` (issue 28): codes and scales written in place into the strided rows of a
+    packed send buffer equal a call without ``out`` bit for bit (nearest, stochastic, and
+    error feedback with its residual); rows of only padding (n = 1, W = 4) get zeros."""
+    block = 64
+    x = _data(n, dtype, seed=n + w)
+    n_pad = padded_numel(n, block, multiple=w)
+    kw = {"pad_to": n_pad, "backend": backend}
+    for extra in ({}, {"stochastic": True, "seed": 11, "offset": 5}):
+        want = quantize(x, block, **extra, **kw)
+        rows = _send_rows(n_pad, w, block, fill=0x55)
+        got = quantize(x, block, out=rows, **extra, **kw)
+        assert got[0] is rows[0] and got[1] is rows[1]
+        assert _same(rows[0].reshape(-1), want[0]) and _same(rows[1].reshape(-1), want[1])
+    x = _data(n, dtype, seed=1, specials=False)
+    r0 = (_data(n, torch.float32, seed=2, specials=False) * 0.01).to(dtype)
+    r1 = r0.clone()
+    want = quantize_ef(x, r0, block, **kw)
+    rows = _send_rows(n_pad, w, block, fill=0xAA)
+    quantize_ef(x, r1, block, out=rows, **kw)
+    assert _same(rows[0].reshape(-1), want[0]) and _same(rows[1].reshape(-1), want[1])
+    assert _same(r1, r0)
+    flat = torch.empty_like(want[0]), torch.empty_like(want[1])  # 1-D out as well
+    quantize(x, block, out=flat, **kw)
+    assert _same(flat[0], quantize(x, block, **kw)[0])
+
+
+@pytest.mark.parametrize("backend", ("triton", "torch"))
+def test_dequant_sum_requant_out_bit_exact(backend: str) -> None:
+    """``out=`` into this rank's row of a packed all-gather buffer: the bits of a call
+    without ``out``; the fp32 sum is still returned with ``return_sum``."""
+    w, m, block = 3, 1_024, 128
+    codes, scales = quantize(_data(w * m, torch.float32, seed=4), block)
+    c2, s2 = codes.view(w, m), scales.view(w, m // block)
+    want = dequant_sum_requant(c2, s2, block, return_sum=True, backend=backend)
+    g_codes, g_scales = _send_rows(w * m, w, block, fill=0x33)
+    mine = g_codes[1], g_scales[1]
+    got = dequant_sum_requant(c2, s2, block, return_sum=True, out=mine, backend=backend)
+    assert got[0] is mine[0] and got[1] is mine[1]
+    assert all(_same(a, b) for a, b in zip(got, want))
+    assert (g_codes[0].view(torch.uint8) == 0x33).all()  # other rows untouched
+
+
+def test_out_rejected_when_wrong() -> None:
+    x = _data(1000, torch.float32, seed=0)
+    codes, scales = quantize(x, 64)
+    with pytest.raises(ValueError, match="1024"):
+        quantize(x, 64, out=(codes[:512], scales[:8]), **T)
+    with pytest.raises(TypeError, match="int8"):
+        quantize(x, 64, out=(codes.view(torch.uint8), scales), **T)
+    with pytest.raises(TypeError, match="tuple"):
+        quantize(x, 64, out=[codes, scales], **T)
+    with pytest.raises(ValueError, match="stride 1"):
+        strided = torch.empty(1, 2048, dtype=torch.int8, device=DEV)[:, ::2]
+        quantize(x, 64, out=(strided, scales.view(1, 16)), **T)
+    c2, s2 = codes.view(2, 512), scales.view(2, 8)
+    with pytest.raises(ValueError, match="1-D"):
+        dequant_sum_requant(c2, s2, 64, out=(c2[:1], s2[:1]), **T)

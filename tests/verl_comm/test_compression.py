@@ -544,3 +544,82 @@ def test_int8_host_slices_bit_identical_to_one_pass(monkeypatch, world, n, resid
         assert bool(a.finite) and bool(b.finite)
         assert (ra is None and rb is None) or torch.equal(ra, rb)
     assert sliced[0][0].wire_bytes == int8_allreduce_wire_bytes(n, world, 64)
+
+
+@pytest.mark.parametrize("world,n", [(1, 2_000), (2, 3_001), (3, 1)])
+@pytest.mark.parametrize("residual_dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_int8_device_path_bit_identical_to_host_slices(
+    monkeypatch, world, n, residual_dtype, backend
+):
+    """The device path (issue 28: kernels write straight into the send buffer and into
+    this rank's row of the all-gather buffer, which the all-gather uses in place) gives
+    the bits, residuals and bytes of the host path, at W = 1 as at W > 1; ``triton`` runs
+    the kernels on CUDA tensors where there is a GPU, else in Triton's interpreter on CPU
+    tensors (conftest), ``auto`` the references. n = 1 at W = 3 leaves rows of only
+    padding."""
+    import sys
+
+    mod = sys.modules["verl_comm.compression.int8_allreduce"]
+    lock = threading.Lock()  # Triton's interpreter runs one kernel at a time per process
+    for name in ("quantize", "quantize_ef", "dequant_sum_requant", "dequantize"):
+
+        def locked(*a, _fn=getattr(mod, name), **kw):
+            with lock:
+                return _fn(*a, **kw)
+
+        monkeypatch.setattr(mod, name, locked)
+    g = torch.Generator().manual_seed(n + world)
+    xs = [torch.randn(n, generator=g) * (1 + r) for r in range(world)]
+    xs[0][: min(n, 40)] = 0.0  # an all-zero block
+    res0 = [None if residual_dtype is None else (torch.randn(n, generator=g) * 0.1).to(
+        residual_dtype) for _ in range(world)]  # fmt: skip
+
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+    def run(fn, dev="cpu"):
+        rs = [None if r is None else r.clone().to(dev) for r in res0]
+        return run_ranks(world, lambda r, c: (fn(xs[r].to(dev), c, rs[r]), rs[r]))
+
+    direct = run(
+        lambda x, c, r: mod._reduce_direct(
+            x, c, 64, r, True, torch.empty(n, device=dev), backend=backend
+        ),
+        dev,
+    )
+    host = run(lambda x, c, r: int8_allreduce(x, c, block=64, residual=r))
+    for (a, ra), (b, rb) in zip(direct, host):
+        assert torch.equal(a.out.cpu(), b.out) and a.wire_bytes == b.wire_bytes
+        assert bool(a.finite) and bool(b.finite)
+        assert (ra is None and rb is None) or torch.equal(ra.cpu(), rb)
+    assert torch.equal(direct[0][0].out, direct[-1][0].out)  # replicas bit-identical
+
+
+@pytest.mark.parametrize("coll", [LocalCollective(), LoopbackCollective(3)])
+def test_int8_device_path_in_place_all_gather_and_nonfinite(coll):
+    """The all-gather's input is this rank's row of its output (NCCL's in-place form);
+    the in-process collectives take that too, and a NaN still reaches the finite flag."""
+    import sys
+
+    mod = sys.modules["verl_comm.compression.int8_allreduce"]
+    x = torch.randn(1000)
+    seen = []
+    gather = coll.all_gather_into_tensor
+
+    def spy(output, input):
+        seen.append(input.data_ptr() - output.data_ptr())
+        gather(output, input)
+
+    coll.all_gather_into_tensor = spy
+    a = mod._reduce_direct(x, coll, 32, None, True, torch.empty(1000))
+    b = mod._reduce_slice(x, coll, 32, None, True, torch.empty(1000))
+    assert torch.equal(a.out, b.out) and bool(a.finite)
+    assert seen[0] == coll.rank * input_row_bytes(1000, 32, coll.world_size)
+    x[7] = float("nan")
+    assert not bool(mod._reduce_direct(x, coll, 32, None, True, torch.empty(1000)).finite)
+
+
+def input_row_bytes(n: int, block: int, world: int) -> int:
+    from verl_comm.kernels import packed_nbytes, padded_numel
+
+    return packed_nbytes(padded_numel(n, block, multiple=world) // world, block)

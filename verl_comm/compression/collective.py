@@ -49,7 +49,8 @@ class Collective(Protocol):
         of ``output`` comes from rank ``j``."""
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """``output`` (W * input.numel()) = inputs of ranks 0..W-1 concatenated."""
+        """``output`` (W * input.numel()) = inputs of ranks 0..W-1 concatenated. ``input``
+        may be this rank's own chunk of ``output`` (in place, as NCCL allows)."""
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """Element-wise max over ranks in place (used to agree on measurements)."""
@@ -107,7 +108,8 @@ class LocalCollective:
         output.copy_(input)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        output.copy_(input)
+        if output.data_ptr() != input.data_ptr():  # in place: the data is already there
+            output.copy_(input)
 
 
 class LoopbackCollective:
@@ -143,7 +145,15 @@ class LoopbackCollective:
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
         w = self.world_size
         self.bytes_sent += (w - 1) * nbytes(input)
+        if _overlaps(output, input):  # in place: input is this rank's chunk of output
+            input = input.clone()
         output.view(w, -1).copy_(input.reshape(1, -1).expand(w, -1))
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes of ``a`` and ``b`` (each contiguous) intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + nbytes(b) and b0 < a0 + nbytes(a)
 
 
 class ThreadGroup:

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from verl_comm.kernels import (
+    all_finite,
+    cast_scale,
+    copy_finite,
     dequant_sum_requant,
     dequantize,
     packed_nbytes,
@@ -57,24 +60,6 @@ class ReduceResult:
     out: torch.Tensor
     wire_bytes: int
     finite: torch.Tensor
-
-
-def all_finite(t: torch.Tensor) -> torch.Tensor:
-    """0-dim bool on ``t``'s device: no element of ``t`` is NaN or +-Inf (True if empty).
-
-    One reduction pass without temporaries: on CUDA the inf-norm (max of ``|t|``), on the
-    CPU ``aminmax`` (5x faster there than the inf-norm); both propagate NaN and are Inf iff
-    an element is. ``torch.isfinite(t).all()`` costs four elementwise passes and a
-    full-size temporary (``abs``, two compares, ``and``) before its reduction: ~2 ms of a
-    19 ms DDP step over 403 M fp32 gradients on an H200 (``benchmarks/gpu/hooks_profile.py``).
-    """
-    if t.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    flat = t.reshape(-1)
-    if flat.is_cuda:
-        return torch.isfinite(torch.linalg.vector_norm(flat, float("inf")))
-    lo, hi = torch.aminmax(flat)
-    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def int8_allreduce_wire_bytes(numel: int, world_size: int, block: int = 128) -> int:
@@ -151,7 +136,7 @@ def int8_allreduce(
     x = x.reshape(-1)
     if x.is_cuda:  # device memory: one pass, fewest launches (captured as a CUDA graph)
         res = None if residual is None else residual.view(-1)
-        return _reduce_slice(x, coll, block, res, average, out)
+        return _reduce_direct(x, coll, block, res, average, out)
     unit = w * block
     total = packed_nbytes(padded_numel(n, block, multiple=w), block)
     slice_bytes = max(HOST_MIN_SLICE_BYTES, -(-total // HOST_SLICES))
@@ -177,9 +162,10 @@ def _reduce_slice(
     step: int | None = None,
 ) -> ReduceResult:
     """The two-step int8 all-reduce of ``x`` into ``out``, every kernel call on at most
-    ``step`` elements (a multiple of ``block``; None: one call per kernel, the device path,
-    fewest launches), codes and scales written straight into the send and all-gather
-    buffers. Blocks keep their positions, so the bits do not depend on ``step``.
+    ``step`` elements (a multiple of ``block``; None: one call per kernel), the host path;
+    each call's codes and scales are copied into the send and all-gather buffers (the device
+    path, :func:`_reduce_direct`, has the kernels write there). Blocks keep their positions,
+    so the bits do not depend on ``step``.
 
     Transient memory (issue 18): the quantized codes and scales of a call exist beside the
     send buffer until they are copied into it, and the owner's results are packed after
@@ -236,6 +222,54 @@ def _reduce_slice(
     return ReduceResult(out, coll.bytes_sent - sent0, finite)
 
 
+def _reduce_direct(
+    x: torch.Tensor,
+    coll: Collective,
+    block: int,
+    residual: torch.Tensor | None,
+    average: bool,
+    out: torch.Tensor,
+    backend: str = "auto",
+) -> ReduceResult:
+    """The two-step int8 all-reduce of ``x`` (``(N,)``) into ``out`` in one pass: the device
+    path, with the same bits and bytes sent as :func:`_reduce_slice` at any W.
+
+    Each kernel writes where the next step reads, so nothing is copied between them
+    (issue 28): ``quantize_ef`` writes the codes and scales of row w straight into row w
+    of the packed ``(W, L)`` send buffer; the owner's ``dequant_sum_requant`` writes into
+    this rank's row of the all-gather buffer, which the all-gather then uses in place as
+    its input (NCCL's in-place form: input at ``output + rank * L``); ``dequantize`` reads
+    the gathered rows into ``out``. Memory: send + receive (2 x codes + scales) during the
+    all-to-all, then receive + gathered, as before. ``backend`` is the launchers' (tests run
+    the Triton kernels on CPU tensors with ``"triton"``).
+    """
+    n = x.numel()
+    w = coll.world_size
+    n_pad = padded_numel(n, block, multiple=w)
+    m = n_pad // w
+    sent0 = coll.bytes_sent
+    send = torch.empty(w, packed_nbytes(m, block), dtype=torch.uint8, device=x.device)
+    rows = unpack(send, block)
+    if residual is None:
+        quantize(x, block, pad_to=n_pad, out=rows, backend=backend)
+    else:  # residual in x's dtype, fp32, or bf16 for fp32 x: updated in place
+        quantize_ef(x, residual, block, pad_to=n_pad, out=rows, backend=backend)
+    recv = torch.empty_like(send)
+    coll.all_to_all_single(recv.view(-1), send.view(-1))
+    del send, rows
+    gathered = torch.empty_like(recv)
+    mine = gathered[coll.rank]
+    rc, rs = unpack(recv, block)
+    dequant_sum_requant(rc, rs, block, out=unpack(mine, block), backend=backend)
+    del recv, rc, rs
+    coll.all_gather_into_tensor(gathered.view(-1), mine)
+    g_codes, g_scales = unpack(gathered, block)
+    scale = 1.0 / w if average else 1.0
+    dequantize(g_codes, g_scales, block, scale=scale, numel=n, out=out, backend=backend)
+    finite = torch.isfinite(g_scales).all()
+    return ReduceResult(out, coll.bytes_sent - sent0, finite)
+
+
 def _put(codes, scales, lo: int, c: torch.Tensor, s: torch.Tensor, m: int, block: int) -> None:
     """Write the codes ``c`` and scales ``s`` of flat elements ``[lo, lo + len(c))`` into
     the per-rank rows (``(W, M)`` codes, ``(W, M / B)`` scales) of a packed send buffer:
@@ -266,25 +300,39 @@ def cast_allreduce(
     """All-reduce ``x`` in ``wire_dtype`` (fp16/bf16/fp32): divide by W first when averaging
     (keeps fp16 from overflowing, as torch's ``fp16_compress_hook``), sum, cast back.
 
+    Two passes around the collective when a cast is needed (issue 28): ``cast_scale``
+    (cast, then divide, as ``x.to(wire_dtype).div_(W)``; one Triton kernel on CUDA) and
+    ``copy_finite`` (the copy back and the finiteness of the reduced values; one kernel on
+    CUDA); on the CPU the same torch operations as before.
+
     Args:
-        x: ``(N,)`` float tensor. coll: the collective. wire_dtype: dtype on the wire.
-        average: divide by W. out: optional ``(N,)`` destination (may alias ``x``; with
-            ``out`` aliasing ``x`` and ``wire_dtype == x.dtype`` no copy is made).
+        x: contiguous ``(N,)`` fp32/bf16/fp16 tensor. coll: the collective.
+        wire_dtype: fp32/bf16/fp16, the dtype on the wire.
+        average: divide by W. out: optional contiguous ``(N,)`` float destination (may
+            alias ``x``; with ``out`` aliasing ``x`` and ``wire_dtype == x.dtype`` no copy
+            is made).
 
     Returns:
-        :class:`ReduceResult` with ``out`` in ``out``'s dtype (default ``x.dtype``).
+        :class:`ReduceResult` with ``out`` in ``out``'s dtype (default ``x.dtype``) and
+        ``finite`` from the reduced wire values (the same verdict on every rank).
+
+    Raises:
+        TypeError / ValueError: non-float or non-contiguous tensors, sizes (the launchers).
     """
     w = coll.world_size
     flat = x.reshape(-1)
+    divisor = w if average else 1
     in_place = wire_dtype == x.dtype and out is not None and out.data_ptr() == flat.data_ptr()
-    buf = flat if in_place else flat.to(wire_dtype, copy=True)
-    if average and w > 1:
-        buf.div_(w)
+    if in_place:
+        buf = flat
+        if divisor > 1:
+            buf.div_(divisor)
+    else:
+        buf = cast_scale(flat, wire_dtype, divisor)
     sent0 = coll.bytes_sent
     if buf.numel():
         coll.all_reduce(buf)
     if out is None:
         out = torch.empty_like(flat)
-    if not in_place:
-        out.copy_(buf)
-    return ReduceResult(out, coll.bytes_sent - sent0, all_finite(buf).to(x.device))
+    finite = all_finite(buf) if in_place else copy_finite(buf, out)
+    return ReduceResult(out, coll.bytes_sent - sent0, finite.to(x.device))
