@@ -25,18 +25,30 @@ if __name__ == "kernels":
     _path = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _root]
     _spec = _machinery.PathFinder.find_spec("kernels", _path)
     if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError(
-            "No module named 'kernels': the folder kernels/ of this checkout is the package "
-            "verl_comm.kernels (import it by that name)",
-            name="kernels",
-        )
-    _module = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _module
-    try:
-        _spec.loader.exec_module(_module)
-    except BaseException:
-        del _sys.modules["kernels"]
-        raise
+        # No distribution: stay an empty module that reads as "not installed". transformers
+        # (5.17 and 5.25 alike) finds this folder with find_spec, finds no metadata, imports
+        # it as a last resort and takes a module without __version__ and __file__ for a
+        # shadow, not an install (utils/import_utils.py, _is_package_available); raising
+        # here instead broke every import of a modeling file (activations ->
+        # integrations/hub_kernels.py), e.g. Qwen2ForCausalLM on the GPU machine.
+        __file__ = None  # noqa: A001
+
+        def __getattr__(name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise AttributeError(
+                f"module 'kernels' has no attribute {name!r}: the folder kernels/ of this "
+                "checkout is the package verl_comm.kernels (import it by that name), and the "
+                "PyPI distribution 'kernels' is not installed"
+            )
+    else:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module
+        try:
+            _spec.loader.exec_module(_module)
+        except BaseException:
+            del _sys.modules["kernels"]
+            raise
 else:
     from ._common import QMAX, SUPPORTED_BLOCKS, TINY, packed_nbytes, padded_numel
     from .cast import all_finite, cast_scale, copy_finite
