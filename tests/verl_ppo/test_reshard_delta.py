@@ -12,6 +12,8 @@ from verl_ppo.reshard.delta import (
     BITMASK,
     FULL,
     INDEX,
+    _changed_host,
+    _changed_torch,
     _pack_bits,
     _unpack_bits,
     changed_positions,
@@ -140,6 +142,25 @@ def test_checksum_reference(n):
     assert checksum(t[1:]) == _checksum_ref(t[1:])  # misaligned start: copied first
     big = torch.randint(-(2**31), 2**31 - 1, (4099,), dtype=torch.int32, generator=g)
     assert checksum(big) == _checksum_ref(big)  # the sums wrap mod 2^64
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 4096, 1823 * 7 + 3])
+def test_changed_positions_host_path_matches_torch_ops(n):
+    """On the CPU positions come from numpy; the torch ops (CUDA's path) give the same."""
+    g = torch.Generator().manual_seed(n)
+    old = torch.randn(n + 1, generator=g).to(torch.bfloat16)
+    for frac in (0.0, 0.02, 0.5, 1.0):
+        new = old.clone()
+        flip = torch.rand(n + 1, generator=g) < frac
+        new[flip] = -new[flip]
+        for lo in (0, 1):  # word-aligned, and a misaligned view (element by element)
+            a, b = old[lo : lo + n].view(torch.int16), new[lo : lo + n].view(torch.int16)
+            for q in {0, n // 4 if lo == 0 else 0}:
+                host = _changed_host(a.numpy(), b.numpy(), q)
+                want = torch.nonzero(a != b).view(-1)
+                assert torch.equal(_changed_torch(a, b, q), want), (n, frac, lo, q)
+                assert np.array_equal(host, want.numpy()), (n, frac, lo, q)
+            assert torch.equal(changed_positions(old[lo : lo + n], new[lo : lo + n]), want)
 
 
 def test_checksum_sensitivity():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 FULL, INDEX, BITMASK = 0, 1, 2
@@ -116,6 +117,14 @@ def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) & weights) != 0).view(-1)[:n]
 
 
+def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+    """int64 positions of the ``True`` flags of a 1-D bool tensor, ascending (on the CPU
+    through numpy, see :func:`_changed_host`)."""
+    if mask.device.type == "cpu":
+        return _from_host(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().view(-1)
+
+
 def _pair(reference: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int16 views of a (reference, new) pair, after checking they match."""
     if reference.shape != new.shape or reference.dtype != new.dtype:
@@ -140,6 +149,15 @@ def changed_positions(reference: torch.Tensor, new: torch.Tensor) -> torch.Tenso
     old_w, new_w = _pair(reference, new)
     n = new_w.numel()
     q = n // 4 if old_w.storage_offset() % 4 == new_w.storage_offset() % 4 == 0 else 0
+    if new_w.device.type == "cpu":
+        return _from_host(_changed_host(old_w.numpy(), new_w.numpy(), q))
+    return _changed_torch(old_w, new_w, q)
+
+
+def _changed_torch(old_w: torch.Tensor, new_w: torch.Tensor, q: int) -> torch.Tensor:
+    """:func:`changed_positions` of two int16 tensors in torch ops, on any device (``q``:
+    the leading 64-bit words to compare whole)."""
+    n = new_w.numel()
     parts = []
     if q:
         ow, nw = old_w[: 4 * q].view(torch.int64), new_w[: 4 * q].view(torch.int64)
@@ -150,6 +168,30 @@ def changed_positions(reference: torch.Tensor, new: torch.Tensor) -> torch.Tenso
     if 4 * q < n or not parts:  # a ragged tail, or a misaligned view: element by element
         parts.append((old_w[4 * q :] != new_w[4 * q :]).nonzero().view(-1) + 4 * q)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _changed_host(old: np.ndarray, new: np.ndarray, q: int) -> np.ndarray:
+    """:func:`changed_positions` of two int16 arrays in host memory, the same steps in
+    numpy (``q``: the leading 64-bit words to compare whole). On one CPU core numpy's
+    ``flatnonzero`` is ~3.5x torch's ``nonzero`` (0.05 vs 0.18 ms for 131 K flags at 8.5%
+    set) and its small ops cost ~1 us of overhead against torch's ~5: 0.52 -> 0.18 ms for
+    a 512 K-element bucket at 2% changed."""
+    parts = []
+    if q:
+        ow, nw = old[: 4 * q].view(np.int64), new[: 4 * q].view(np.int64)
+        words = np.flatnonzero(ow != nw)
+        flat = np.flatnonzero((ow[words] ^ nw[words]).view(np.int16) != 0)
+        parts.append(words[flat >> 2] * 4 + (flat & 3))
+    if 4 * q < new.size or not parts:
+        parts.append(np.flatnonzero(old[4 * q :] != new[4 * q :]) + 4 * q)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _from_host(a: np.ndarray) -> torch.Tensor:
+    """int64 tensor sharing ``a``'s memory; one of 0 or 1 elements is copied, since numpy
+    may give those stride 0, which torch keeps and then cannot view as bytes."""
+    t = torch.from_numpy(a.astype(np.int64, copy=False))
+    return t if t.numel() > 1 else t.clone(memory_format=torch.contiguous_format)
 
 
 def encode(
@@ -217,7 +259,7 @@ def decode_(target: torch.Tensor, kind: int, changed: int, payload: torch.Tensor
     else:
         nb = -(-n // 8)
         mask = _unpack_bits(payload[:nb], n)
-        w[mask] = _as(payload[nb:], torch.int16)
+        w.index_copy_(0, _flatnonzero(mask), _as(payload[nb:], torch.int16))
 
 
 def checksum(t: torch.Tensor) -> tuple[int, int]:
