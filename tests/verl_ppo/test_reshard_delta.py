@@ -19,9 +19,11 @@ from verl_ppo.reshard.delta import (
     changed_positions,
     checksum,
     choose_encoding,
+    combine_checksums,
     decode_,
     encode,
     encoded_nbytes,
+    word_aligned,
 )
 
 
@@ -161,6 +163,23 @@ def test_changed_positions_host_path_matches_torch_ops(n):
                 assert torch.equal(_changed_torch(a, b, q), want), (n, frac, lo, q)
                 assert np.array_equal(host, want.numpy()), (n, frac, lo, q)
             assert torch.equal(changed_positions(old[lo : lo + n], new[lo : lo + n]), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_checksum_combined_from_word_aligned_pieces(dtype):
+    """A receiver checksums bucket by bucket: the pieces' sums give the whole's, wrapping
+    mod 2^64, with a ragged last piece (zero-padded like the whole's last word)."""
+    g = torch.Generator().manual_seed(5)
+    t = (torch.randn(3 * 1024 * 4 + 4 * 37 + 3, generator=g) * 1e30).to(dtype)
+    isz = t.element_size()
+    for size in (4, 8, 1024 * 4, 300, 4 * 1025):
+        if not word_aligned(size, isz):
+            continue
+        cuts = list(range(0, t.numel(), size)) + [t.numel()]
+        parts = [(a * isz // 8, checksum(t[a:b])) for a, b in zip(cuts, cuts[1:])]
+        assert combine_checksums(parts) == checksum(t) == _checksum_ref(t), size
+    assert word_aligned(300, 2) and not word_aligned(301, 2) and not word_aligned(2, 2)
+    assert word_aligned(2, 4) and not word_aligned(3, 4)
 
 
 def test_checksum_sensitivity():

@@ -54,9 +54,9 @@ def _expected_bytes(plan, rank, old, new):
     return total
 
 
-def _run_case(rank, kind, train, wire, group, steps=4):
+def _run_case(rank, kind, train, wire, group, steps=4, bucket=BUCKET):
     cfg = tiny_config(kind)
-    plan = plan_group_sync(cfg, train, L(tp=2), [0, 1], [2, 3], bucket_elems=BUCKET)
+    plan = plan_group_sync(cfg, train, L(tp=2), [0, 1], [2, 3], bucket_elems=bucket)
     states = _states(plan.specs, steps)
     res = []
     if rank < 2:
@@ -104,6 +104,8 @@ def worker(rank, world):
         "dp2_full": _run_case(rank, "llama", L(dp=2), "full", group),
         "dp2_delta": _run_case(rank, "llama", L(dp=2), "delta", group),
         "pp2_delta": _run_case(rank, "qwen2", L(pp=2), "delta", group),
+        # buckets that split 64-bit words: the receiver checksums whole streams instead
+        "dp2_delta_odd": _run_case(rank, "llama", L(dp=2), "delta", group, bucket=BUCKET + 1),
     }
     # a peer that never sends: the receivers time out naming rank and phase
     lost = ctx.new_group(list(range(world)))
@@ -124,7 +126,7 @@ def worker(rank, world):
 
 def test_group_sync_four_ranks():
     res = spawn(f"{__file__}:worker", 4, timeout_s=300)
-    for case in ("dp2_full", "dp2_delta", "pp2_delta"):
+    for case in ("dp2_full", "dp2_delta", "pp2_delta", "dp2_delta_odd"):
         sent = [sum(r["sent"] for r in res[i][case]) for i in (0, 1)]
         assert min(sent) > 0, (case, sent)  # both training ranks send: no single sender
         for rank in (2, 3):

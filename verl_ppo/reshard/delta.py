@@ -25,15 +25,18 @@ so swapped or shifted words change ``s2``, and elements swapped inside a word ch
 does not depend on the reduction order and is the same on CPU and CUDA; it runs where the
 tensor lives and moves 16 bytes to the host (a CRC over the bytes, e.g. ``zlib.crc32``,
 would first copy the whole shard to the host). ``s2`` is computed blockwise,
-``sum_r rK * rowsum_r + sum_c (c + 1) * colsum_c`` over the words viewed as ``(m, K)``, so
-it reads the words twice and allocates nothing of their size (widening 16-bit words to
-int64 first, as an earlier version did, made it ~100x slower: 130 ms for 1.8 M elements on
-one CPU core, longer than a delta sync's bytes take on a 200 Mbit/s link). It is a
+``sum_r rK * rowsum_r + sum_c (c + 1) * colsum_c`` over the words viewed as ``(m, K)``, and
+``s1`` as the sum of the row sums, so it reads the words twice and allocates nothing of
+their size (widening 16-bit words to int64 first, as an earlier version did, made it ~100x
+slower: 130 ms for 1.8 M elements on one CPU core, longer than a delta sync's bytes take on
+a 200 Mbit/s link). The checksums of consecutive pieces combine into the whole's
+(:func:`combine_checksums`), so a receiver checksums each bucket as it arrives. It is a
 consistency check against transport or bookkeeping bugs, not a cryptographic hash.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +46,7 @@ FULL, INDEX, BITMASK = 0, 1, 2
 ENCODINGS = {FULL: "full", INDEX: "index", BITMASK: "bitmask"}
 _BLOCK = 1024  # 64-bit words per row of the blockwise checksum
 _BITS = (1, 2, 4, 8, 16, 32, 64, 128)
+_WORD = 8  # bytes per checksum word
 _GATHER = 0x0102040810204080  # byte i's low bit -> bit 56 + i of the product
 
 
@@ -290,7 +294,43 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
     def idx(a: int, b: int, step: int = 1) -> torch.Tensor:
         return torch.arange(a, b, step, dtype=torch.int64, device=t.device)
 
-    s1 = x.sum() + tail.sum()
-    s2 = (x.sum(1) * idx(0, m * K, K)).sum() + (x.sum(0) * idx(1, K + 1)).sum()
+    rows = x.sum(1)  # s1 from the row sums: two passes over the words, not three
+    s1 = rows.sum() + tail.sum()
+    s2 = (rows * idx(0, m * K, K)).sum() + (x.sum(0) * idx(1, K + 1)).sum()
     s2 = s2 + (tail * idx(m * K + 1, n + 1)).sum()
     return int(s1), int(s2)
+
+
+def _wrap64(x: int) -> int:
+    """``x`` mod 2^64 as a signed int64 value."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
+
+
+def combine_checksums(parts: Iterable[tuple[int, tuple[int, int]]]) -> tuple[int, int]:
+    """:func:`checksum` of a tensor from the checksums of consecutive pieces of it.
+
+    A piece whose words are ``W_{o}, W_{o+1}, ...`` of the whole contributes its ``s1`` to
+    the whole's ``s1`` and ``s2 + o * s1`` to its ``s2`` (positions shift by ``o``), mod 2^64.
+    So a receiver can checksum each bucket as it arrives instead of the whole shard after
+    the last one.
+
+    Args:
+        parts: ``(o, checksum(piece))`` for pieces that tile the tensor's bytes in order,
+            ``o`` the piece's first byte over 8; every piece but the last must span whole
+            64-bit words (the last one's zero padding is the whole's).
+
+    Returns:
+        ``checksum(whole)``.
+    """
+    s1 = s2 = 0
+    for o, (a, b) in parts:
+        s1 += a
+        s2 += b + o * a
+    return _wrap64(s1), _wrap64(s2)
+
+
+def word_aligned(elems: int, itemsize: int) -> bool:
+    """Whether pieces of ``elems`` elements of ``itemsize`` bytes span whole checksum words
+    (so :func:`combine_checksums` applies to buckets of that size)."""
+    return (elems * itemsize) % _WORD == 0
