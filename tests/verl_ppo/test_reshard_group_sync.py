@@ -66,7 +66,16 @@ def _run_case(rank, kind, train, wire, group, steps=4, bucket=BUCKET):
             held = {s.name: full[s.name] for s in plan.specs if shard_for(s, train, rank, dims)}
             st = sender.start(held)
             sender.finish()
-            res.append({"sent": st.bytes_sent, "header": st.header_bytes, "enc": st.encodings})
+            # the buffers the weights were cast into (delta: what the receivers now hold)
+            bufs = sender._ref if wire == "delta" else sender._spare
+            res.append(
+                {
+                    "sent": st.bytes_sent,
+                    "header": st.header_bytes,
+                    "enc": st.encodings,
+                    "bufs": sorted(t.data_ptr() for t in bufs.values()),
+                }
+            )
         return res
     rx = SyncReceiver(plan, rank, group, wire=wire, timeout_s=150)
     prev = {n: torch.zeros_like(t) for n, t in rx.live.items()}
@@ -140,6 +149,11 @@ def test_group_sync_four_ranks():
             assert sum(res[i][case][step]["sent"] for i in (0, 1)) == sum(
                 res[j][case][step]["recv"] for j in (2, 3)
             )
+    for i in (0, 1):  # host buffers cast into again: full every sync, delta every other
+        bufs = [r["bufs"] for r in res[i]["dp2_full"]]
+        assert bufs[0] and all(b == bufs[0] for b in bufs), bufs
+        bufs = [r["bufs"] for r in res[i]["dp2_delta"]]
+        assert bufs[0] == bufs[2] and bufs[1] == bufs[3] and bufs[0] != bufs[1], bufs
     full = sum(res[j]["dp2_full"][3]["recv"] for j in (2, 3))
     delta = sum(res[j]["dp2_delta"][3]["recv"] for j in (2, 3))
     nothing = sum(res[j]["dp2_delta"][2]["recv"] for j in (2, 3))

@@ -288,15 +288,23 @@ class SyncSender:
         _endpoint(self, plan, rank, "training", group, wire, dtype, device, timeout_s)
         self.streams = plan.sends_of(rank)
         self._ref: dict[int, torch.Tensor] = {}  # stream index -> what its receiver holds
+        # stream index -> a host buffer to cast the next sync into (a new zeroed one costs a
+        # write of every element, and page faults); CUDA's caching allocator recycles them
+        self._spare: dict[int, torch.Tensor] = {}
         self._pending: list[tuple[dist.Work, int, str, torch.Tensor]] = []
         self.step = 0
         self.last_stats: SyncStats | None = None
 
-    def _flat(self, s: SyncStream, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def _flat(
+        self, s: SyncStream, params: Mapping[str, torch.Tensor], flat: torch.Tensor | None
+    ) -> torch.Tensor:
         """The stream's rollout-dtype elements: each shard's pieces copied (and cast) from
-        the full weights straight into one buffer, one pass over the bytes sent."""
+        the full weights straight into one buffer, one pass over the bytes sent. ``flat``:
+        a buffer of an earlier sync of this stream to reuse (what no piece covers, e.g.
+        ZeRO-3 padding, stays zero from its allocation), or None for a new one."""
         j = self.plan.rollout_ranks.index(s.dst)
-        flat = torch.zeros(s.numel, dtype=self.dtype, device=self.device)
+        if flat is None:
+            flat = torch.zeros(s.numel, dtype=self.dtype, device=self.device)
         off = 0
         for p in s.params:
             spec, sh = self.plan.specs[p], self.plan.rollout_shards[j][p]
@@ -372,7 +380,7 @@ class SyncSender:
         counts = [len(s.buckets(self.plan.bucket_elems)) for s in self.streams]
         news = []
         for i, s in enumerate(self.streams):  # the wire starts after one bucket's work
-            news.append(self._flat(s, params))
+            news.append(self._flat(s, params, self._spare.pop(i, None)))
             if counts[i]:
                 self._bucket(i, 0, news[i], stats)
         for k in range(1, max(counts, default=0)):
@@ -381,8 +389,11 @@ class SyncSender:
                     self._bucket(i, k, news[i], stats)
         for s, new in zip(self.streams, news):
             self._post_small([*checksum(new)], s.dst, "checksum send", stats)
+        spare = self._ref if self.wire == "delta" else dict(enumerate(news))
         if self.wire == "delta":
             self._ref = dict(enumerate(news))
+        if self.device.type == "cpu":  # written again after finish() saw their sends done
+            self._spare = spare
         stats.elems = sum(s.numel for s in self.streams)
         stats.encode_s = time.perf_counter() - t0
         self.step, self.last_stats = self.step + 1, stats
