@@ -12,14 +12,18 @@ from verl_ppo.reshard.delta import (
     BITMASK,
     FULL,
     INDEX,
+    _changed_host,
+    _changed_torch,
     _pack_bits,
     _unpack_bits,
     changed_positions,
     checksum,
     choose_encoding,
+    combine_checksums,
     decode_,
     encode,
     encoded_nbytes,
+    word_aligned,
 )
 
 
@@ -140,6 +144,42 @@ def test_checksum_reference(n):
     assert checksum(t[1:]) == _checksum_ref(t[1:])  # misaligned start: copied first
     big = torch.randint(-(2**31), 2**31 - 1, (4099,), dtype=torch.int32, generator=g)
     assert checksum(big) == _checksum_ref(big)  # the sums wrap mod 2^64
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 4096, 1823 * 7 + 3])
+def test_changed_positions_host_path_matches_torch_ops(n):
+    """On the CPU positions come from numpy; the torch ops (CUDA's path) give the same."""
+    g = torch.Generator().manual_seed(n)
+    old = torch.randn(n + 1, generator=g).to(torch.bfloat16)
+    for frac in (0.0, 0.02, 0.5, 1.0):
+        new = old.clone()
+        flip = torch.rand(n + 1, generator=g) < frac
+        new[flip] = -new[flip]
+        for lo in (0, 1):  # word-aligned, and a misaligned view (element by element)
+            a, b = old[lo : lo + n].view(torch.int16), new[lo : lo + n].view(torch.int16)
+            for q in {0, n // 4 if lo == 0 else 0}:
+                host = _changed_host(a.numpy(), b.numpy(), q)
+                want = torch.nonzero(a != b).view(-1)
+                assert torch.equal(_changed_torch(a, b, q), want), (n, frac, lo, q)
+                assert np.array_equal(host, want.numpy()), (n, frac, lo, q)
+            assert torch.equal(changed_positions(old[lo : lo + n], new[lo : lo + n]), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_checksum_combined_from_word_aligned_pieces(dtype):
+    """A receiver checksums bucket by bucket: the pieces' sums give the whole's, wrapping
+    mod 2^64, with a ragged last piece (zero-padded like the whole's last word)."""
+    g = torch.Generator().manual_seed(5)
+    t = (torch.randn(3 * 1024 * 4 + 4 * 37 + 3, generator=g) * 1e30).to(dtype)
+    isz = t.element_size()
+    for size in (4, 8, 1024 * 4, 300, 4 * 1025):
+        if not word_aligned(size, isz):
+            continue
+        cuts = list(range(0, t.numel(), size)) + [t.numel()]
+        parts = [(a * isz // 8, checksum(t[a:b])) for a, b in zip(cuts, cuts[1:])]
+        assert combine_checksums(parts) == checksum(t) == _checksum_ref(t), size
+    assert word_aligned(300, 2) and not word_aligned(301, 2) and not word_aligned(2, 2)
+    assert word_aligned(2, 4) and not word_aligned(3, 4)
 
 
 def test_checksum_sensitivity():

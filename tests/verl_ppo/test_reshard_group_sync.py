@@ -54,9 +54,9 @@ def _expected_bytes(plan, rank, old, new):
     return total
 
 
-def _run_case(rank, kind, train, wire, group, steps=4):
+def _run_case(rank, kind, train, wire, group, steps=4, bucket=BUCKET):
     cfg = tiny_config(kind)
-    plan = plan_group_sync(cfg, train, L(tp=2), [0, 1], [2, 3], bucket_elems=BUCKET)
+    plan = plan_group_sync(cfg, train, L(tp=2), [0, 1], [2, 3], bucket_elems=bucket)
     states = _states(plan.specs, steps)
     res = []
     if rank < 2:
@@ -66,7 +66,16 @@ def _run_case(rank, kind, train, wire, group, steps=4):
             held = {s.name: full[s.name] for s in plan.specs if shard_for(s, train, rank, dims)}
             st = sender.start(held)
             sender.finish()
-            res.append({"sent": st.bytes_sent, "header": st.header_bytes, "enc": st.encodings})
+            # the buffers the weights were cast into (delta: what the receivers now hold)
+            bufs = sender._ref if wire == "delta" else sender._spare
+            res.append(
+                {
+                    "sent": st.bytes_sent,
+                    "header": st.header_bytes,
+                    "enc": st.encodings,
+                    "bufs": sorted(t.data_ptr() for t in bufs.values()),
+                }
+            )
         return res
     rx = SyncReceiver(plan, rank, group, wire=wire, timeout_s=150)
     prev = {n: torch.zeros_like(t) for n, t in rx.live.items()}
@@ -104,6 +113,8 @@ def worker(rank, world):
         "dp2_full": _run_case(rank, "llama", L(dp=2), "full", group),
         "dp2_delta": _run_case(rank, "llama", L(dp=2), "delta", group),
         "pp2_delta": _run_case(rank, "qwen2", L(pp=2), "delta", group),
+        # buckets that split 64-bit words: the receiver checksums whole streams instead
+        "dp2_delta_odd": _run_case(rank, "llama", L(dp=2), "delta", group, bucket=BUCKET + 1),
     }
     # a peer that never sends: the receivers time out naming rank and phase
     lost = ctx.new_group(list(range(world)))
@@ -124,7 +135,7 @@ def worker(rank, world):
 
 def test_group_sync_four_ranks():
     res = spawn(f"{__file__}:worker", 4, timeout_s=300)
-    for case in ("dp2_full", "dp2_delta", "pp2_delta"):
+    for case in ("dp2_full", "dp2_delta", "pp2_delta", "dp2_delta_odd"):
         sent = [sum(r["sent"] for r in res[i][case]) for i in (0, 1)]
         assert min(sent) > 0, (case, sent)  # both training ranks send: no single sender
         for rank in (2, 3):
@@ -138,6 +149,11 @@ def test_group_sync_four_ranks():
             assert sum(res[i][case][step]["sent"] for i in (0, 1)) == sum(
                 res[j][case][step]["recv"] for j in (2, 3)
             )
+    for i in (0, 1):  # host buffers cast into again: full every sync, delta every other
+        bufs = [r["bufs"] for r in res[i]["dp2_full"]]
+        assert bufs[0] and all(b == bufs[0] for b in bufs), bufs
+        bufs = [r["bufs"] for r in res[i]["dp2_delta"]]
+        assert bufs[0] == bufs[2] and bufs[1] == bufs[3] and bufs[0] != bufs[1], bufs
     full = sum(res[j]["dp2_full"][3]["recv"] for j in (2, 3))
     delta = sum(res[j]["dp2_delta"][3]["recv"] for j in (2, 3))
     nothing = sum(res[j]["dp2_delta"][2]["recv"] for j in (2, 3))

@@ -12,7 +12,9 @@ sync is full). Bytes are counted from the tensors handed to ``isend``/``irecv``.
 The rollout side keeps generating with its live weights while a background thread receives
 into a staging copy: per stream it posts the first header's receive, and on each header's
 arrival that bucket's receive (its size from the header) and the next header's, then the
-trailer's; it decodes each bucket into staging and checks the trailer's checksum (the
+trailer's; it decodes each bucket into staging once the next header has arrived (the
+bucket's bytes came first), checksums it there (buckets of whole 64-bit words; else the
+whole stream at the end), and checks the combined checksum against the trailer's (the
 staging copy is bit-identical to the trainer's weights cast to the rollout dtype, or a
 :class:`WeightSyncError` says which stream differs). :meth:`SyncReceiver.switch` waits only
 for what is left and copies staging into the live weights; its duration is the pause of
@@ -43,9 +45,11 @@ from verl_ppo.reshard.delta import (
     changed_positions,
     checksum,
     choose_encoding,
+    combine_checksums,
     decode_,
     encode,
     encoded_nbytes,
+    word_aligned,
 )
 from verl_ppo.reshard.group_plan import GroupSyncPlan, SyncStream
 from verl_ppo.reshard.specs import piece_view
@@ -284,15 +288,23 @@ class SyncSender:
         _endpoint(self, plan, rank, "training", group, wire, dtype, device, timeout_s)
         self.streams = plan.sends_of(rank)
         self._ref: dict[int, torch.Tensor] = {}  # stream index -> what its receiver holds
+        # stream index -> a host buffer to cast the next sync into (a new zeroed one costs a
+        # write of every element, and page faults); CUDA's caching allocator recycles them
+        self._spare: dict[int, torch.Tensor] = {}
         self._pending: list[tuple[dist.Work, int, str, torch.Tensor]] = []
         self.step = 0
         self.last_stats: SyncStats | None = None
 
-    def _flat(self, s: SyncStream, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def _flat(
+        self, s: SyncStream, params: Mapping[str, torch.Tensor], flat: torch.Tensor | None
+    ) -> torch.Tensor:
         """The stream's rollout-dtype elements: each shard's pieces copied (and cast) from
-        the full weights straight into one buffer, one pass over the bytes sent."""
+        the full weights straight into one buffer, one pass over the bytes sent. ``flat``:
+        a buffer of an earlier sync of this stream to reuse (what no piece covers, e.g.
+        ZeRO-3 padding, stays zero from its allocation), or None for a new one."""
         j = self.plan.rollout_ranks.index(s.dst)
-        flat = torch.zeros(s.numel, dtype=self.dtype, device=self.device)
+        if flat is None:
+            flat = torch.zeros(s.numel, dtype=self.dtype, device=self.device)
         off = 0
         for p in s.params:
             spec, sh = self.plan.specs[p], self.plan.rollout_shards[j][p]
@@ -368,7 +380,7 @@ class SyncSender:
         counts = [len(s.buckets(self.plan.bucket_elems)) for s in self.streams]
         news = []
         for i, s in enumerate(self.streams):  # the wire starts after one bucket's work
-            news.append(self._flat(s, params))
+            news.append(self._flat(s, params, self._spare.pop(i, None)))
             if counts[i]:
                 self._bucket(i, 0, news[i], stats)
         for k in range(1, max(counts, default=0)):
@@ -377,8 +389,11 @@ class SyncSender:
                     self._bucket(i, k, news[i], stats)
         for s, new in zip(self.streams, news):
             self._post_small([*checksum(new)], s.dst, "checksum send", stats)
+        spare = self._ref if self.wire == "delta" else dict(enumerate(news))
         if self.wire == "delta":
             self._ref = dict(enumerate(news))
+        if self.device.type == "cpu":  # written again after finish() saw their sends done
+            self._spare = spare
         stats.elems = sum(s.numel for s in self.streams)
         stats.encode_s = time.perf_counter() - t0
         self.step, self.last_stats = self.step + 1, stats
@@ -478,18 +493,36 @@ class SyncReceiver:
         st, peer, dl = self._stats, self.peer, self._deadline
         bucket_lists = [s.buckets(self.plan.bucket_elems) for s in self.streams]
         n_streams = len(self.streams)
+        isz = torch.empty((), dtype=self.dtype).element_size()
+        # checksum each bucket once it is decoded (buckets of whole 64-bit words), so
+        # only the last bucket's is left when the last bytes arrive
+        by_bucket = word_aligned(self.plan.bucket_elems, isz)
+        sums: list[list[tuple[int, tuple[int, int]]]] = [[] for _ in range(n_streams)]
+        queued: list[list[tuple]] = [[] for _ in range(n_streams)]
 
         def small(n: int, src: int) -> tuple[torch.Tensor, dist.Work]:
             h = torch.empty(n, dtype=torch.int64, device=self.device)
             st.header_bytes += h.numel() * h.element_size()
             return h, peer.irecv(h, src, st)
 
+        def settle(i: int) -> None:
+            """Wait for, decode and checksum stream ``i``'s buckets posted so far."""
+            for k, nb, a, b, kind, changed, buf, work in queued[i]:
+                stage = self._staging[i]
+                if work is not None:
+                    peer.wait(work, dl, self.streams[i].src, f"bucket receive {k + 1}/{nb}")
+                if kind != FULL and buf is not None:  # None: nothing changed, no bytes
+                    decode_(stage[a:b], kind, changed, buf)
+                if by_bucket:
+                    sums[i].append((a * isz // 8, checksum(stage[a:b])))
+            queued[i].clear()
+
         # one peer's messages are matched in the order posted (gloo per tag, NCCL per
         # pair): per stream header 1, bucket 1, header 2, ..., bucket K, trailer. A
-        # bucket's receive needs its size, so header k + 1 is posted after bucket k's.
+        # bucket's receive needs its size, so header k + 1 is posted after bucket k's;
+        # bucket k's bytes precede header k + 1's, so it is decoded once that arrives.
         heads = [small(2, s.src) if bl else None for s, bl in zip(self.streams, bucket_lists)]
         trailers = [None if bl else small(2, s.src) for s, bl in zip(self.streams, bucket_lists)]
-        posted = []
         for k in range(max(map(len, bucket_lists), default=0)):
             for i in range(n_streams):
                 s, bl, stage = self.streams[i], bucket_lists[i], self._staging[i]
@@ -503,7 +536,8 @@ class SyncReceiver:
                 (a, b), name = bl[k], ENCODINGS[kind]
                 st.changed += changed
                 st.encodings[name] = st.encodings.get(name, 0) + 1
-                n = encoded_nbytes(kind, b - a, changed, stage.element_size())
+                n = encoded_nbytes(kind, b - a, changed, isz)
+                work = buf = None
                 if n:
                     buf = (
                         stage[a:b].view(torch.uint8)
@@ -511,19 +545,19 @@ class SyncReceiver:
                         else torch.empty(n, dtype=torch.uint8, device=self.device)
                     )
                     work = peer.irecv(buf, s.src, st)
-                    posted.append((i, k, len(bl), a, b, kind, changed, buf, work))
                 if k + 1 < len(bl):
                     heads[i] = small(2, s.src)
                 else:
                     trailers[i] = small(2, s.src)
+                settle(i)  # bucket k - 1: its bytes came before header k
+                queued[i].append((k, len(bl), a, b, kind, changed, buf, work))
         st.elems = sum(s.numel for s in self.streams)
-        for i, k, nb, a, b, kind, changed, buf, work in posted:
-            peer.wait(work, dl, self.streams[i].src, f"bucket receive {k + 1}/{nb}")
-            if kind != FULL:
-                decode_(self._staging[i][a:b], kind, changed, buf)
-        for s, (h, work), stage in zip(self.streams, trailers, self._staging):
+        for i in range(n_streams):
+            settle(i)
+        for i, (s, (h, work), stage) in enumerate(zip(self.streams, trailers, self._staging)):
             peer.wait(work, dl, s.src, "checksum receive")
-            want, got = tuple(h.tolist()), checksum(stage)
+            want = tuple(h.tolist())
+            got = combine_checksums(sums[i]) if by_bucket else checksum(stage)
             if want != got:
                 raise WeightSyncError(
                     f"rank {self.rank}: weight sync checksum from rank {s.src} differs "
