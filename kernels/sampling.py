@@ -7,7 +7,7 @@ input with a host sync (``.item()``) on every call, so the host can never run ah
 Here the logits are read once:
 
 - the draw is the Gumbel-max trick, ``argmax_i(z_i - log(-log u_i))`` with ``z = logits / T``
-  and ``u_i`` uniform from Triton's Philox (``tl.rand(seed, row * vocab + i)``), which samples
+  and ``u_i`` uniform from Triton's Philox (``tl.randint4x``: one call per four columns), which samples
   ``softmax(z)`` exactly (Gumbel 1954; e.g. Jang et al. 2017, eq. 1); ``torch.multinomial``'s
   own one-sample path is the same trick in its exponential form (``argmax p_i / e_i``,
   ``aten/src/ATen/native/Distributions.cpp``);
@@ -58,7 +58,12 @@ def _partial(
     if GREEDY:
         g = z
     else:
-        u = tl.rand(tl.load(seed_ptr), row * V + cols)
+        # one Philox call gives four uniforms (tl.rand would make one call per column and
+        # use one of its four outputs: Philox's integer multiplies, not the bytes, then
+        # bound this kernel); column k*4 + j of the chunk takes output j of call k
+        q = tl.arange(0, BLOCK // 4)
+        r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), (row * NCH + ch) * (BLOCK // 4) + q)
+        u = tl.uint_to_uniform_float(tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), BLOCK))
         g = tl.where(ok, z - tl.log(-tl.log(u)), _NEG_INF)
     best = tl.argmax(g, 0)
     gmax = tl.max(g, 0)
@@ -108,7 +113,8 @@ def gumbel_sample(
         seed: ``(1,)`` int64 tensor on ``logits``' device, the Philox seed of this draw
             (same seed and logits give the same tokens); None = greedy (argmax of the logits,
             no randomness).
-        block: vocabulary columns per program (a power of 2). num_warps: per program.
+        block: vocabulary columns per program (a power of 2, at least 4: four per Philox
+            call). num_warps: per program.
 
     Returns:
         ``(tokens (batch,) int64, log_probs (batch,) float32)``, ``log_probs`` being
@@ -116,7 +122,7 @@ def gumbel_sample(
         log-probability (no host check here: callers test it at their own sync points).
 
     Raises:
-        ValueError: bad shape, device or temperature; ``block`` not a power of 2.
+        ValueError: bad shape, device or temperature; ``block`` not a power of 2 >= 4.
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(
@@ -126,8 +132,8 @@ def gumbel_sample(
         raise ValueError("gumbel_sample runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1)")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if block <= 0 or block & (block - 1):
-        raise ValueError(f"block must be a power of 2, got {block}")
+    if block < 4 or block & (block - 1):
+        raise ValueError(f"block must be a power of 2, at least 4, got {block}")
     if seed is not None and (seed.numel() != 1 or seed.device != logits.device):
         raise ValueError("seed must be a one-element tensor on the logits' device")
     B, V = logits.shape

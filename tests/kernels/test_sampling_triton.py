@@ -45,20 +45,21 @@ def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
 
 
 def test_draws_follow_softmax_and_skip_masked_tokens() -> None:
-    """200 rows of one distribution over 4 tokens (one at -inf; the interpreter runs each
+    """200 rows of one distribution over 8 tokens (five at -inf; the interpreter runs each
     program in Python, so few rows): each token's frequency within 5 standard deviations of
     its probability (uniform draws, 0.33 each, would fail token 0's band of 0.63 +- 0.17)."""
-    row = torch.tensor([1.5, 0.5, float("-inf"), 0.0], device=DEV)
+    inf = float("-inf")
+    row = torch.tensor([1.5, 0.5, inf, inf, inf, 0.0, inf, inf], device=DEV)
     logits = row.repeat(200, 1)
-    tok, lp = gumbel_sample(logits, 1.0, _seed(7), block=2)  # 2 chunks per row
+    tok, lp = gumbel_sample(logits, 1.0, _seed(7), block=4)  # 2 chunks per row
     p = torch.softmax(row, -1)
     n = logits.shape[0]
-    freq = torch.bincount(tok, minlength=4).double() / n
-    for i in range(4):
+    freq = torch.bincount(tok, minlength=8).double() / n
+    for i in range(8):
         sd = math.sqrt(p[i] * (1 - p[i]) / n)
         assert abs(freq[i] - p[i]) <= 5 * sd + 1e-12, (i, freq[i].item(), p[i].item())
-    assert freq[2] == 0
-    torch.testing.assert_close(lp, torch.log(p)[tok], atol=_lp_tol(row[[0, 1, 3]]), rtol=0)
+    assert freq[[2, 3, 4, 6, 7]].sum() == 0
+    torch.testing.assert_close(lp, torch.log(p)[tok], atol=_lp_tol(row[[0, 1, 5]]), rtol=0)
 
 
 def test_bad_input_is_refused() -> None:
@@ -66,6 +67,8 @@ def test_bad_input_is_refused() -> None:
         gumbel_sample(torch.zeros(2, 8, device=DEV), 0.0, None)
     with pytest.raises(ValueError, match="power of 2"):
         gumbel_sample(torch.zeros(2, 8, device=DEV), 1.0, None, block=12)
+    with pytest.raises(ValueError, match="at least 4"):
+        gumbel_sample(torch.zeros(2, 8, device=DEV), 1.0, None, block=2)
     with pytest.raises(ValueError, match="batch, vocab"):
         gumbel_sample(torch.zeros(8, device=DEV), 1.0, None)
 
