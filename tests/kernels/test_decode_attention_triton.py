@@ -27,8 +27,9 @@ def _reference(q, k, v, valid, scale):
 @pytest.mark.parametrize("split", [16, None])
 @pytest.mark.parametrize("groups", [1, 3])
 def test_matches_sdpa_over_padded_and_unwritten_slots(groups: int, split: int | None) -> None:
-    """Left padding, a hole of masked slots, and slots past ``length`` holding garbage
-    (never written by a real step): the kernel must ignore all three. ``split=16``: three
+    """Left padding, a hole of masked slots (holding a NaN key and a NaN value), and slots
+    past ``length`` holding garbage (never written by a real step): the kernel must ignore
+    all three. ``split=16``: three
     splits and the merge kernel; None: the default (one split on the CPU: no merge)."""
     g = torch.Generator().manual_seed(0)
     B, Hkv, S, D, L = 3, 2, 40, 16, 29
@@ -40,11 +41,16 @@ def test_matches_sdpa_over_padded_and_unwritten_slots(groups: int, split: int | 
     valid[0, :5] = False  # left padding
     valid[2, 3:9] = False
     k[:, :, L:] = 1e4  # past length: would dominate the softmax if read
+    k[2, :, 4] = float("nan")  # a masked slot below length: read, but its score is masked
+    v[2, :, 5] = float("nan")  # its value must not be read
     scale = 1 / math.sqrt(D)
     # split 16 -> 3 splits, the last one empty (starts at 32 >= L)
     length = torch.tensor([L], device=DEV)
     out = decode_attention(q, k, v, valid, length, scale, split=split, block_n=16)
-    want = _reference(q, k, v, valid & (torch.arange(S, device=DEV) < L), scale)
+    # sdpa adds the mask to the scores (NaN + -inf = NaN): give it the NaN slots zeroed
+    want = _reference(
+        q, k.nan_to_num(0.0), v.nan_to_num(0.0), valid & (torch.arange(S, device=DEV) < L), scale
+    )
     # fp32 softmax-weighted sums of O(1) values over <= 40 slots: a few ulp each on CPU; on
     # the GPU tl.dot rounds its fp32 inputs to tf32 (10-bit mantissa, 2**-11 relative)
     tol = 1e-5 if DEV == "cpu" else 4e-3
