@@ -51,11 +51,9 @@ def _split(
     vb = v_ptr + b.to(tl.int64) * sv_b + h * sv_h
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        inside = n < hi
-        ok = inside & (tl.load(valid_ptr + b * s_valid + n, mask=inside, other=0) != 0)
-        # keys of masked slots below `hi` are read too (their scores become -inf below, so a
-        # non-finite key there changes nothing): the key load does not wait for the mask's
-        k = tl.load(kb + n[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0)
+        ok = n < hi
+        ok = ok & (tl.load(valid_ptr + b * s_valid + n, mask=ok, other=0) != 0)
+        k = tl.load(kb + n[:, None] * sk_s + d[None, :], mask=ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         s = tl.where(ok[None, :], s, _NEG_INF)
         m_new = tl.maximum(m, tl.max(s, 1))
