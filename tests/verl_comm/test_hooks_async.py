@@ -93,9 +93,13 @@ def test_lowrank_takes_both_lanes_from_its_second_compressed_step(session):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("spec", ["many_steps:method=bf16", "many_steps:method=int8,reducer=True"])
 def test_bf16_and_reducer_100_steps(session, spec):
+    """bf16 takes the direct path (hooks/direct.py: no worker, the collective started on the
+    hook's thread, completed on gloo's), int8 through the reducer the worker; either way the
+    caller's collective after backward is never reordered and replicas stay identical."""
     res = _res(session(2), spec)
     for r in res:
-        assert r["bad_caller_sums"] == [] and r["iteration"] == 100 and r["worker_used"]
+        assert r["bad_caller_sums"] == [] and r["iteration"] == 100
+        assert r["worker_used"] == ("bf16" not in spec)
     assert len({r["hash"] for r in res}) == 1
 
 

@@ -45,6 +45,7 @@ W2 = [f"compare:method={m}" for m in METHODS] + [
     "nonfinite:method=none,mode=skip",
     "nonfinite:method=int8,mode=skip",
     "nonfinite:method=lowrank_int8,mode=skip",
+    "nonfinite:method=bf16,mode=skip",
     "ckpt_save:method=int8",
     "ckpt_save:method=lowrank_int8",
     "nonfinite:method=lowrank_int8,mode=raise",  # last: DDP is unusable after a raise
@@ -166,7 +167,7 @@ def test_auto_policy_agrees_across_ranks(sessions, world):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "world,method", [(2, "none"), (2, "int8"), (2, "lowrank_int8"), (3, "int8")]
+    "world,method", [(2, "none"), (2, "int8"), (2, "lowrank_int8"), (2, "bf16"), (3, "int8")]
 )
 def test_nonfinite_skip(sessions, world, method):
     res = _results(sessions(world), f"nonfinite:method={method},mode=skip")
@@ -186,6 +187,17 @@ def test_nonfinite_skip(sessions, world, method):
 def test_nonfinite_raise(sessions, world, method):
     res = _results(sessions(world), f"nonfinite:method={method},mode=raise")
     for r in res:  # every rank raises, naming the bucket
+        assert r["error"] is not None and r["error_step"] == 1
+        assert "non-finite" in r["error"] and "bucket(s) [1]" in r["error"]
+
+
+@pytest.mark.timeout(400)
+def test_nonfinite_raise_on_the_bf16_direct_path(tmp_path):
+    """bf16 on gloo takes the direct path (hooks/direct.py): the step ends in a callback on
+    gloo's thread, and its NonFiniteGradientError still reaches every rank's backward,
+    naming the bucket (a session of its own: DDP is unusable after a raise)."""
+    spec = "nonfinite:method=bf16,mode=raise"
+    for r in _results(worker.spawn_session(2, [spec], tmp_path), spec):
         assert r["error"] is not None and r["error_step"] == 1
         assert "non-finite" in r["error"] and "bucket(s) [1]" in r["error"]
 

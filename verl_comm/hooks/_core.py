@@ -13,7 +13,9 @@ path.
   host memory at the end of the step and read when that copy has completed (checked with
   ``Event.query()`` at a later step's end, or by :meth:`CommHookState.flush`). The
   CUDA-aware Future makes DDP's stream wait for the side stream.
-* CPU (gloo, a process group of W > 1): the chain runs on the state's
+* CPU (gloo, a process group of W > 1), fixed fp16 / bf16: torch's order, the cast on the
+  hook's thread, an async all-reduce, the copy back in a callback (:mod:`.direct`).
+* CPU (gloo, a process group of W > 1), the other methods: the chain runs on the state's
   :class:`~verl_comm.hooks.worker.CommWorker` in DDP's bucket order and the Future
   completes when the bucket is reduced; no collective is started from ``Future.then``.
   The hook of the last bucket waits for the worker to drain, so a collective issued right
@@ -65,7 +67,7 @@ from verl_comm.compression.policy import (
     time_call,
 )
 
-from . import measure, resume
+from . import direct, measure, resume
 from .bucket import Keep, keep_ranges
 from .graphs import run_path
 from .lanes import COMPRESSING, bucket_keys, lane_of
@@ -75,7 +77,7 @@ from .stats import BucketRecord
 logger = logging.getLogger("verl_comm.hooks")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_CAST = direct.CAST
 
 
 @dataclass
@@ -394,6 +396,8 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     if not cuda and resume.should_hold(state, index, pids, (buf.numel(), str(buf.dtype), shapes)):
         return resume.hold(state, buf, pids, bucket.parameters(), is_last, _reduce_bucket)
     measuring = measure.measuring(state, method in COMPRESSING and state.config.policy == "auto")
+    if _uses_worker(state, dev) and direct.applies(state, method, measuring):
+        return direct.run_direct_cast(state, buf, index, shapes, method, is_last, pids)
     if _uses_worker(state, dev):
         fut: torch.futures.Future = (
             torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()

@@ -12,6 +12,7 @@ object pickles without the group too (it is re-bound to WORLD on unpickling).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -218,6 +219,11 @@ class CommHookState:
         self.param_keys: dict[int, int] = {}  # parameter data_ptr -> index in the DDP module
         self._held: Any = None  # hooks.resume.Held: the first step after a load
         self._error_metrics: dict[str, float] = {}  # latest comm/rel_error, residual_norm
+        # buckets of the gloo direct path (hooks.direct) in flight, and whether the step's
+        # last bucket has been handed over: the step ends when both say so
+        self._direct_lock = threading.Lock()
+        self._direct_open = 0
+        self._direct_last = False
 
     # -- execution -------------------------------------------------------------------
     def mark_ready(self, index: int, is_last: bool, device: torch.device) -> None:
@@ -493,6 +499,23 @@ class CommHookState:
 
     def _add_pending(self, item: BucketRecord) -> None:
         self._pending.append(item)
+
+    def direct_opened(self) -> None:
+        """A bucket of the direct path (:mod:`verl_comm.hooks.direct`) started."""
+        with self._direct_lock:
+            self._direct_open += 1
+
+    def direct_finished(self, is_last: bool) -> bool:
+        """A bucket of the direct path finished (its record added); True exactly once per
+        step: for the bucket that finishes last once the step's last bucket has started.
+        gloo completes the buckets on its own threads, not necessarily in order."""
+        with self._direct_lock:
+            self._direct_open -= 1
+            self._direct_last = self._direct_last or is_last
+            if self._direct_last and self._direct_open == 0:
+                self._direct_last = False
+                return True
+            return False
 
     def end_step(self) -> None:
         """Close the step: advance ``iteration``; hand its per-bucket flags and stats to the
