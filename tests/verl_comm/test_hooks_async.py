@@ -27,6 +27,7 @@ W2 = [
     "many_steps:method=lowrank_int8",
     "many_steps:method=lowrank_int8,lanes=1",
     "many_steps:method=bf16",
+    "many_steps:method=bf16,reducer=True",
     "many_steps:method=int8,reducer=True",
     "count",
     "state_dict_in_flight",
@@ -91,7 +92,14 @@ def test_lowrank_takes_both_lanes_from_its_second_compressed_step(session):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("spec", ["many_steps:method=bf16", "many_steps:method=int8,reducer=True"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "many_steps:method=bf16",
+        "many_steps:method=bf16,reducer=True",
+        "many_steps:method=int8,reducer=True",
+    ],
+)
 def test_bf16_and_reducer_100_steps(session, spec):
     """bf16 takes the direct path (hooks/direct.py: no worker, the collective started on the
     hook's thread, completed on gloo's), int8 through the reducer the worker; either way the
