@@ -512,14 +512,12 @@ def _reduce_bucket(
         ev1.record()
     elapsed = time.perf_counter() - start_s
     state._add_pending(
-        BucketRecord(
-            index=index,
-            method=path,
-            numel=buf.numel(),
-            dtype=str(buf.dtype).replace("torch.", ""),
-            world_size=coll.world_size,
-            wire_bytes=res.wire_bytes,
-            plain_bytes=ring_allreduce_wire_bytes(buf.numel(), coll.world_size, buf.element_size()),
+        BucketRecord.of(
+            buf,
+            index,
+            path,
+            coll.world_size,
+            res.wire_bytes,
             finite=res.finite,
             err_sq=res.err_sq,
             in_sq=res.in_sq,

@@ -89,18 +89,13 @@ def run_direct_cast(
             if cfg.nonfinite == "skip":
                 buf.copy_(torch.where(finite, buf, torch.zeros((), dtype=buf.dtype)))
             state._add_pending(
-                BucketRecord(
-                    index=index,
-                    method=method,
-                    numel=buf.numel(),
-                    dtype=str(buf.dtype).replace("torch.", ""),
-                    world_size=w,
-                    wire_bytes=sent,
-                    plain_bytes=ring_allreduce_wire_bytes(buf.numel(), w, buf.element_size()),
+                BucketRecord.of(
+                    buf,
+                    index,
+                    method,
+                    w,
+                    sent,
                     finite=finite,
-                    err_sq=None,
-                    in_sq=None,
-                    has_residual=False,
                     time_s=cast_s + time.perf_counter() - t0,
                     start_s=start_s,
                     submitted_s=start_s,

@@ -90,6 +90,29 @@ class BucketRecord:
     t_start: Any = None
     t_end: Any = None
 
+    @classmethod
+    def of(
+        cls, buf: torch.Tensor, index: int, method: str, world_size: int, wire_bytes: int, **kw
+    ) -> BucketRecord:
+        """The record of bucket ``buf``: its size, dtype and plain ring bytes from the buffer
+        (``kw``: the remaining fields; ``err_sq``, ``in_sq`` default to None,
+        ``has_residual`` to False)."""
+        from verl_comm.compression.int8_allreduce import ring_allreduce_wire_bytes
+
+        kw.setdefault("err_sq", None)
+        kw.setdefault("in_sq", None)
+        kw.setdefault("has_residual", False)
+        return cls(
+            index=index,
+            method=method,
+            numel=buf.numel(),
+            dtype=str(buf.dtype).replace("torch.", ""),
+            world_size=world_size,
+            wire_bytes=wire_bytes,
+            plain_bytes=ring_allreduce_wire_bytes(buf.numel(), world_size, buf.element_size()),
+            **kw,
+        )
+
 
 def pack_scalars(records: list[BucketRecord]) -> torch.Tensor:
     """The device scalars of a step in one float32 tensor: ``(len(records),)`` finiteness
