@@ -31,6 +31,7 @@ W2 = [
     "many_steps:method=int8,reducer=True",
     "count",
     "state_dict_in_flight",
+    "direct_bits",
     *(f"unused_residual:method={m}" for m in METHODS),
     "failure:method=int8",  # last: its process group is broken afterwards
 ]
@@ -109,6 +110,15 @@ def test_bf16_and_reducer_100_steps(session, spec):
         assert r["bad_caller_sums"] == [] and r["iteration"] == 100
         assert r["worker_used"] == ("bf16" not in spec)
     assert len({r["hash"] for r in res}) == 1
+
+
+@pytest.mark.timeout(600)
+def test_cast_hooks_direct_path_bit_exact(session):
+    """fp16/bf16 on gloo skip the worker and give cast_allreduce's bits (issue 28)."""
+    for r in _res(session(2), "direct_bits"):
+        assert all(r["equal"].values()), r["equal"]
+        assert not any(r["worker"].values()), r["worker"]
+        assert set(r["iteration"].values()) == {1}
 
 
 @pytest.mark.timeout(600)

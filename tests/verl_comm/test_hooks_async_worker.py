@@ -403,7 +403,36 @@ def scenario_auto_measure(rank, world, tmp, steps=4):
     return out
 
 
+def scenario_direct_bits(rank, world, tmp):
+    """fp16/bf16 buckets (fp32 and bf16 buffers, an odd size) through the hook's direct gloo
+    path and through :func:`~verl_comm.compression.int8_allreduce.cast_allreduce` on the same
+    inputs: whether the results are equal bit for bit, and whether the worker stayed unused."""
+    from verl_comm.compression.collective import ProcessGroupCollective
+    from verl_comm.compression.int8_allreduce import cast_allreduce
+    from verl_comm.hooks import make_hook
+    from verl_comm.hooks.bucket import GradBucket
+
+    wire = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    out: dict = {"equal": {}, "worker": {}}
+    for method in ("fp16", "bf16"):
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(100 * rank + 7)
+            x = (torch.randn(4099, generator=g) * 3).to(dtype)
+            hook, state = make_hook(_cfg(method), timeout_s=60)
+            got = hook(state, GradBucket.from_tensors([x.clone()])).wait().clone()
+            ref = cast_allreduce(
+                x.clone(), ProcessGroupCollective(None), wire_dtype=wire[method], out=None
+            ).out
+            key = f"{method}/{dtype}"
+            out["equal"][key] = bool(torch.equal(got.view(-1), ref.view(-1)))
+            out["worker"][key] = state._worker is not None
+            out.setdefault("iteration", {})[key] = state.iteration
+            state.close()
+    return out
+
+
 SCENARIOS = {
+    "direct_bits": scenario_direct_bits,
     "auto_measure": scenario_auto_measure,
     "many_steps": scenario_many_steps,
     "overlap": scenario_overlap,

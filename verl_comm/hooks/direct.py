@@ -103,7 +103,8 @@ def run_direct_cast(
             )
         finally:
             close = state.direct_finished(is_last)
-        if close:
+        if close:  # the records in bucket order, as the worker's (gloo finishes in any order)
+            state._pending.sort(key=lambda r: r.index)
             state.end_step()  # raises NonFiniteGradientError with nonfinite='raise'
         return buf
 
