@@ -256,6 +256,55 @@ def _copy_finite_kernel(
     tl.atomic_or(flag_ptr, 1, mask=max_bits >= _INF_BITS)  # only a non-finite tile writes
 
 
+@triton.jit
+def _ef_add_cast_kernel(
+    m_ptr,
+    r_ptr,
+    low_ptr,
+    n,
+    tile0,
+    TILE: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    USE_INT64: tl.constexpr,
+):
+    """m (n,) += r (n,) in fp32, rounded to m's dtype; low (n,) = m rounded to low's dtype."""
+    pid = tl.program_id(0)
+    if USE_INT64:
+        pid = pid.to(tl.int64)
+    idx = (tile0 + pid) * TILE + tl.arange(0, TILE)
+    mask = idx < n
+    m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    m = m + tl.load(r_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    m = _cast_out(m, m_ptr, ON_GPU)
+    tl.store(m_ptr + idx, m, mask=mask)
+    tl.store(low_ptr + idx, _cast_out(m.to(tl.float32), low_ptr, ON_GPU), mask=mask)
+
+
+@triton.jit
+def _ef_split_kernel(
+    m_ptr,
+    a_ptr,
+    r_ptr,
+    out_ptr,
+    n,
+    tile0,
+    TILE: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    USE_INT64: tl.constexpr,
+):
+    """r (n,) = m - a in fp32, rounded to r's dtype; out (n,) = a in out's dtype (out may
+    alias m: each element is read before it is written)."""
+    pid = tl.program_id(0)
+    if USE_INT64:
+        pid = pid.to(tl.int64)
+    idx = (tile0 + pid) * TILE + tl.arange(0, TILE)
+    mask = idx < n
+    m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    tl.store(r_ptr + idx, _cast_out(m - a, r_ptr, ON_GPU), mask=mask)
+    tl.store(out_ptr + idx, _cast_out(a, out_ptr, ON_GPU), mask=mask)
+
+
 def grid_1d(nblocks: int, blocks_per_prog: int) -> tuple[int]:
     """Number of programs for ``nblocks`` blocks at ``blocks_per_prog`` blocks each."""
     return (triton.cdiv(nblocks, blocks_per_prog),)

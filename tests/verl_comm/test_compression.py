@@ -623,3 +623,32 @@ def input_row_bytes(n: int, block: int, world: int) -> int:
     from verl_comm.kernels import packed_nbytes, padded_numel
 
     return packed_nbytes(padded_numel(n, block, multiple=world) // world, block)
+
+
+@pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float32])
+def test_lowrank_bf16_products_one_pass_steps_with_a_kept_slot(residual_dtype):
+    """The CUDA path's one-pass error-feedback steps (kernels/ef.py: ``M += E`` with the
+    bf16 copy, ``E = M - A`` with the output), here through their torch operations: a slot
+    without gradient keeps its residual bit for bit and gets the approximation of a zero
+    input; elsewhere input + old residual == output + new residual up to the residual's
+    rounding (half an ulp of |E| in bf16: 2**-8 relative, 8 significant bits)."""
+    shapes = [(64, 32), (48, 40)]  # two single-matrix groups (k = 1)
+    plan = plan_lowrank(shapes, rank=4)
+    st, gen = LowRankBucketState(), torch.Generator().manual_seed(0)
+    kw = dict(block=32, generator=gen, residual_dtype=residual_dtype, matmul_dtype=torch.bfloat16)
+    flat = torch.randn(plan.numel, generator=torch.Generator().manual_seed(0))
+    buf = flat.clone()
+    lowrank_int8_allreduce(buf, plan, st, LocalCollective(), out=buf, **kw)
+    r_old = _residual_flat(plan, st).clone()
+    g1 = next(g for g in plan.groups if (g.n, g.m) == (48, 40))
+    off, n = g1.slots[0].offset, g1.slots[0].numel
+    flat = torch.randn(plan.numel, generator=torch.Generator().manual_seed(1))
+    buf = flat.clone()
+    res = lowrank_int8_allreduce(buf, plan, st, LocalCollective(), out=buf, keep=((off, n),), **kw)
+    r_new = _residual_flat(plan, st)
+    assert torch.equal(r_new[off : off + n], r_old[off : off + n])  # kept as it was
+    other = torch.ones(plan.numel, dtype=torch.bool)
+    other[off : off + n] = False
+    tol = (2.0**-8 if residual_dtype == torch.bfloat16 else 1e-6) * r_new.abs() + 1e-5
+    lhs, rhs = (res.out + r_new)[other], (flat + r_old)[other]
+    assert ((lhs - rhs).abs() <= tol[other]).all()

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verl_comm.kernels.ef import ef_add_cast, ef_split
+
 from .cholqr import orthonormalize
 from .collective import Collective
 from .int8_allreduce import all_finite, int8_allreduce
@@ -190,9 +192,12 @@ def lowrank_int8_allreduce(
     if c.work is not None:  # host: every matrix a view of the work buffer, no stacking
         ms, skips = _host_matrices(c)
     else:
-        ms, kept = _error_fed_matrices(c)
+        ms, kept, lows = _error_fed_matrices(c)
     if plan.groups:
-        ps, qs, q_prevs = _power_iteration(c, ms, wire, warm_start, generator)
+        ps, qs, q_prevs = _power_iteration(
+            c, ms, wire, warm_start, generator, None if c.work is not None else lows
+        )
+        lows = None
         for gi in range(len(plan.groups)):
             if c.work is not None:
                 _finish_host(c, gi, ms[gi], ps[gi], qs[gi], q_prevs[gi], skips[gi])
@@ -292,13 +297,16 @@ def _start(
 
 def _error_fed_matrices(
     c: _Call,
-) -> tuple[list[torch.Tensor], list[list[tuple[int, torch.Tensor]]]]:
+) -> tuple[list[torch.Tensor], list[list[tuple[int, torch.Tensor]]], list[torch.Tensor | None]]:
     """``M = G + E`` per group, ``(k, n, m)`` in the compute dtype (a view of the bucket when
     in place with k = 1). Slots in ``keep`` get a zero input and their residual rows are
-    saved, returned per group as ``(index, residual)`` to be put back after the step."""
+    saved, returned per group as ``(index, residual)`` to be put back after the step. Third:
+    per group ``M`` in the product dtype when it came out of the same pass (CUDA, with a
+    residual: :func:`verl_comm.kernels.ef.ef_add_cast`), else None."""
     dev = c.flat.device
     ms: list[torch.Tensor] = []
     kept: list[list[tuple[int, torch.Tensor]]] = []
+    lows: list[torch.Tensor | None] = []
     for gi, g in enumerate(c.plan.groups):
         res = c.state.residuals[gi] if c.error_feedback else None
         if res is not None and (res.shape != (g.k, g.n, g.m) or res.device != dev):
@@ -316,16 +324,21 @@ def _error_fed_matrices(
                 mat[i].zero_()
                 if res is not None:
                     saved.append((i, res[i].clone()))
+        low = None
         if res is not None:
             if saved:
                 for i, _ in saved:
                     res[i].zero_()
-            mat += res
+            if c.gdt != c.cdt:  # M and its product-dtype copy in one pass (CUDA: one kernel)
+                low = ef_add_cast(mat, res, c.gdt)
+            else:
+                mat += res
         kept.append(saved)
         ms.append(mat)
+        lows.append(low)
         if c.stats:
             c.input_sq = c.input_sq + mat.square().sum()
-    return ms, kept
+    return ms, kept, lows
 
 
 HOST_CHUNK_NUMEL = 1 << 17
@@ -381,14 +394,20 @@ def _power_iteration(
     wire: FactorWire,
     warm_start: bool,
     generator: torch.Generator | None,
+    lows: list | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """``P = M Q`` of all groups in one payload, averaged, orthonormalised; then
-    ``Q = M^T P`` in one payload, averaged. Returns per group ``(P, Q, previous Q)``."""
+    ``Q = M^T P`` in one payload, averaged (``lows``: ``M`` in the product dtype where
+    already made). Returns per group ``(P, Q, previous Q)``."""
     plan, cdt, gdt, dev = c.plan, c.cdt, c.gdt, c.flat.device
     p_all = torch.empty(plan.p_numel, dtype=cdt, device=dev)
     q_all = torch.empty(plan.q_numel, dtype=cdt, device=dev)
     ps, qs, q_prevs, po, qo = [], [], [], 0, 0
-    m_low = [mat if gdt == cdt or isinstance(mat, list) else mat.to(gdt) for mat in ms]
+    lows = lows or [None] * len(ms)
+    m_low = [
+        mat if gdt == cdt or isinstance(mat, list) else (low if low is not None else mat.to(gdt))
+        for mat, low in zip(ms, lows)
+    ]
     for gi, g in enumerate(plan.groups):
         q_prev = c.state.qs[gi]
         if q_prev is None or not warm_start or q_prev.shape != (g.k, g.m, g.rank):
@@ -438,6 +457,14 @@ def _finish_group(
         res = state.residuals[gi] if c.error_feedback else None
         if res is None or res.shape != mat.shape or res.dtype != c.residual_dtype:
             res = None
+        split = approx is not None and res is not None and not c.stats and g.k == 1
+        if split:  # E and the output in one pass (kernels/ef.py; torch ops on the CPU)
+            s0 = g.slots[0]
+            ef_split(mat, approx, res, c.out[s0.offset : s0.offset + s0.numel])
+            for i, old in kept:
+                res[i].copy_(old)
+            _store_q(state, gi, q, q_prev)
+            return
         if approx is None:
             err = mat.baddbmm_(p, q.mT, beta=1.0, alpha=-1.0)
         elif res is not None and not c.stats:
@@ -454,14 +481,7 @@ def _finish_group(
             for i, old in kept:
                 state.residuals[gi][i].copy_(old)
         del err
-    # A matrix that is zero on every rank (its parameter unused everywhere this
-    # step) gets Q = M^T P = 0, and a zero warm start would stay zero for ever
-    # (P = M 0): keep its previous Q instead (per matrix, on the device, no sync).
-    q_keep = torch.where(q.abs().amax(dim=(-2, -1), keepdim=True) > 0, q, q_prev)
-    if state.qs[gi] is not None and state.qs[gi].shape == q.shape:
-        state.qs[gi].copy_(q_keep)  # in place: a captured CUDA graph reads this tensor
-    else:
-        state.qs[gi] = q_keep.clone()
+    _store_q(state, gi, q, q_prev)
     out = c.out
     if approx is None and g.k == 1 and (c.in_place or out.dtype == cdt):
         s0 = g.slots[0]
@@ -471,6 +491,18 @@ def _finish_group(
             approx = torch.bmm(p, q.mT)
         for i, s in enumerate(g.slots):
             out[s.offset : s.offset + s.numel].view(g.n, g.m).copy_(approx[i])
+
+
+def _store_q(state: LowRankBucketState, gi: int, q: torch.Tensor, q_prev: torch.Tensor) -> None:
+    """Keep group ``gi``'s Q for the next warm start. A matrix that is zero on every rank
+    (its parameter unused everywhere this step) gets Q = M^T P = 0, and a zero warm start
+    would stay zero for ever (P = M 0): keep its previous Q instead (per matrix, on the
+    device, no sync)."""
+    q_keep = torch.where(q.abs().amax(dim=(-2, -1), keepdim=True) > 0, q, q_prev)
+    if state.qs[gi] is not None and state.qs[gi].shape == q.shape:
+        state.qs[gi].copy_(q_keep)  # in place: a captured CUDA graph reads this tensor
+    else:
+        state.qs[gi] = q_keep.clone()
 
 
 def _finish_host(
@@ -515,11 +547,7 @@ def _finish_host(
             elif store:
                 torch.sub(m, a, out=res[i, r0 : r0 + rows])
             m.copy_(a)
-    q_keep = torch.where(q.abs().amax(dim=(-2, -1), keepdim=True) > 0, q, q_prev)
-    if state.qs[gi] is not None and state.qs[gi].shape == q.shape:
-        state.qs[gi].copy_(q_keep)
-    else:
-        state.qs[gi] = q_keep.clone()
+    _store_q(state, gi, q, q_prev)
     if c.out.data_ptr() != c.work.data_ptr():
         for mat, s in zip(mats, g.slots):
             c.out[s.offset : s.offset + s.numel].view(g.n, g.m).copy_(mat)
