@@ -6,12 +6,14 @@ passes over the whole matrix, the first of each a mixed-dtype kernel without vec
 (``benchmarks/gpu/hooks_profile.py``: 71 us per 4096 x 4096 matrix on an H100):
 
 * before: ``M += E`` then ``M_low = M.to(bf16)``  ->  :func:`ef_add_cast`, one pass;
-* after: ``E = M - A`` (``torch.sub(M, A, out=E)``) then ``out = A`` (``copy_``), ``A`` the
-  bf16 product ``P Q^T``  ->  :func:`ef_split`, one pass.
+* after: ``A = P Q^T`` (``torch.bmm`` in bf16, written out), ``E = M - A``
+  (``torch.sub(M, A, out=E)``) then ``out = A`` (``copy_``)  ->  :func:`ef_apply`, the
+  product formed per tile inside the pass that writes ``E`` and ``out``.
 
-Same bits as the torch operations they replace: the sums and differences in fp32 (torch's
-common dtype of fp32 and bf16), each result rounded once to nearest even into its
-destination's dtype. ``backend`` as :mod:`verl_comm.kernels.ops` (``auto``: Triton on
+:func:`ef_add_cast` has the bits of the torch operations it replaces: the sums in fp32
+(torch's common dtype of fp32 and bf16), each result rounded once to nearest even into its
+destination's dtype. :func:`ef_apply` keeps ``A`` in fp32 (the old path rounded it to bf16
+before applying it); its sums run in another order than cuBLAS's. ``backend`` as :mod:`verl_comm.kernels.ops` (``auto``: Triton on
 CUDA, the torch operations on CPU).
 """
 
@@ -65,38 +67,79 @@ def ef_add_cast(
     return low
 
 
-def ef_split(
+APPLY_TILE = (64, 128)
+"""(rows, columns) of ``A = P Q^T`` per program of :func:`ef_apply`."""
+APPLY_WARPS = 8
+
+
+def ef_apply(
     m: torch.Tensor,
-    approx: torch.Tensor,
-    residual: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    residual: torch.Tensor | None,
     out: torch.Tensor,
     *,
+    low_dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
 ) -> None:
-    """``residual = m - approx`` (fp32, rounded to the residual's dtype) and ``out = approx``
-    in one pass; ``out`` may be ``m`` itself (same memory), not a partial overlap.
+    """Apply a rank-r approximation with error feedback in one pass over the matrix:
+    ``A = P Q^T`` (operands rounded to ``low_dtype``, products summed in fp32),
+    ``residual = M - A`` (fp32, rounded to the residual's dtype) and ``out = A``.
+
+    The product is formed tile by tile and never stored: the matrix's bytes are read once
+    (M) and written once per destination, instead of a product written and read back
+    (``torch.bmm`` then a subtraction and a copy, ~14 against ~10 bytes per element with
+    an fp32 M and a bf16 residual). Every rank forms the same A from the same P and Q (one
+    launch configuration, fixed summation order), and the residual is taken against the
+    A applied, so error feedback stays exact.
 
     Args:
-        m: contiguous float tensor. approx, residual, out: contiguous float tensors of
-            ``m``'s size and device.
+        m: ``(n, cols)`` fp32 contiguous, the error-fed matrix (read only when
+            ``residual`` is given).
+        p: ``(n, r)`` fp32 contiguous. q: ``(cols, r)`` fp32 contiguous.
+        residual: ``(n, cols)`` float contiguous (fp32/bf16/fp16), overwritten; or None
+            (no error feedback: only ``out`` is written).
+        out: ``n * cols`` float elements, contiguous (fp32/bf16/fp16); may be ``m``
+            itself (same memory), not a partial overlap.
+        low_dtype: ``torch.bfloat16`` (tensor-core operands) or ``torch.float32``.
+        backend: ``auto`` | ``triton`` | ``torch`` (see :mod:`verl_comm.kernels.ops`).
 
     Raises:
-        TypeError / ValueError: dtypes, contiguity, sizes or devices, backend.
+        TypeError / ValueError: dtypes, shapes, contiguity, devices, backend.
     """
-    _check("m", m)
-    for name, t in (("approx", approx), ("residual", residual), ("out", out)):
-        _same(name, t, m)
+    if m.dim() != 2 or p.dim() != 2 or q.dim() != 2:
+        raise ValueError("ef_apply expects m (n, cols), p (n, r) and q (cols, r)")
+    n, cols = m.shape
+    if p.shape[0] != n or q.shape[0] != cols or p.shape[1] != q.shape[1]:
+        raise ValueError(
+            f"shapes do not chain: m {tuple(m.shape)}, p {tuple(p.shape)}, q {tuple(q.shape)}"
+        )
+    if low_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"low_dtype must be torch.bfloat16 or torch.float32, got {low_dtype}")
+    for name, t in (("m", m), ("p", p), ("q", q)):
+        _check(name, t)
+        if t.dtype != torch.float32 or t.device != m.device:
+            raise TypeError(f"{name} must be float32 on {m.device}")
+    _same("out", out, m)
+    if residual is not None:
+        _same("residual", residual, m)
     if not _use_triton(m, backend):
-        torch.sub(m.view(-1), approx.reshape(-1), out=residual.view(-1))
-        out.view(-1).copy_(approx.reshape(-1))
+        a = torch.mm(p.to(low_dtype).float(), q.to(low_dtype).float().mT)
+        if residual is not None:
+            torch.sub(m, a, out=residual.view(n, cols))
+        out.view(n, cols).copy_(a)
         return
-    from .triton_kernels import _ef_split_kernel
+    from .triton_kernels import _ef_apply_kernel
 
-    flat = m.view(-1)
-    args = (approx.reshape(-1), residual.view(-1), out.view(-1))
+    rank = p.shape[1]
+    bn, bm = APPLY_TILE
+    br = min(64, max(16, 1 << (rank - 1).bit_length()))
+    grid = (-(-n // bn), -(-cols // bm))
+    res = residual if residual is not None else out  # unread and unwritten without one
     with _on_device(m) as extra:
-        for t0, t1, n_bound in _launches(flat.numel()):
-            _ef_split_kernel[(t1 - t0,)](
-                flat, *args, n_bound, t0, TILE=TILE, ON_GPU=m.is_cuda,
-                USE_INT64=flat.numel() >= _INT32_LIMIT, num_warps=WARPS, **extra,
-            )  # fmt: skip
+        _ef_apply_kernel[grid](
+            p, q, m, res, out, n, cols, rank,
+            HAS_RESIDUAL=residual is not None, BF16=low_dtype == torch.bfloat16,
+            BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=br, ON_GPU=m.is_cuda,
+            USE_INT64=m.numel() >= _INT32_LIMIT, num_warps=APPLY_WARPS, **extra,
+        )  # fmt: skip

@@ -281,28 +281,64 @@ def _ef_add_cast_kernel(
 
 
 @triton.jit
-def _ef_split_kernel(
+def _ef_apply_kernel(
+    p_ptr,
+    q_ptr,
     m_ptr,
-    a_ptr,
     r_ptr,
     out_ptr,
     n,
-    tile0,
-    TILE: tl.constexpr,
+    m,
+    rank,
+    HAS_RESIDUAL: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     ON_GPU: tl.constexpr,
     USE_INT64: tl.constexpr,
 ):
-    """r (n,) = m - a in fp32, rounded to r's dtype; out (n,) = a in out's dtype (out may
-    alias m: each element is read before it is written)."""
-    pid = tl.program_id(0)
+    """One (BLOCK_N, BLOCK_M) tile of ``A = P Q^T`` (P (n, rank), Q (m, rank) fp32, operands
+    rounded to bf16 when BF16, fp32 accumulation), then r = M - A (M (n, m) fp32, rounded to
+    r's dtype) and out = A in out's dtype. out may alias M: a program reads its tile of M
+    before it writes that tile, and no other program touches it."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     if USE_INT64:
-        pid = pid.to(tl.int64)
-    idx = (tile0 + pid) * TILE + tl.arange(0, TILE)
-    mask = idx < n
-    m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    tl.store(r_ptr + idx, _cast_out(m - a, r_ptr, ON_GPU), mask=mask)
-    tl.store(out_ptr + idx, _cast_out(a, out_ptr, ON_GPU), mask=mask)
+        pid_n = pid_n.to(tl.int64)
+        pid_m = pid_m.to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = rn < n
+    m_ok = rm < m
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, rank, BLOCK_R):
+        rk = k0 + tl.arange(0, BLOCK_R)
+        k_ok = rk < rank
+        a = tl.load(p_ptr + rn[:, None] * rank + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # fmt: skip
+        b = tl.load(q_ptr + rm[None, :] * rank + rk[:, None], mask=k_ok[:, None] & m_ok[None, :],
+                    other=0.0)  # fmt: skip
+        if BF16 and ON_GPU:
+            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+        elif BF16:  # interpreter: bf16-rounded values held in fp32, exact products
+            acc = tl.dot(_rne_bf16(a), _rne_bf16(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+    idx = rn[:, None] * m + rm[None, :]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if HAS_RESIDUAL:
+        mm = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        tl.store(r_ptr + idx, _cast_out(mm - acc, r_ptr, ON_GPU), mask=mask)
+    tl.store(out_ptr + idx, _cast_out(acc, out_ptr, ON_GPU), mask=mask)
+
+
+@triton.jit
+def _rne_bf16(y):
+    """fp32 ``y`` rounded to the nearest bf16 (ties to even), kept in fp32 (finite input)."""
+    bits = y.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
 
 
 def grid_1d(nblocks: int, blocks_per_prog: int) -> tuple[int]:

@@ -1,13 +1,14 @@
-"""The low-rank error-feedback passes (kernels/ef.py): the Triton kernels (Triton's
-interpreter on CPU, compiled on a CUDA machine) give the bits of the torch operations they
-replace, on sizes with a partial last tile, for every residual dtype, with ``out`` aliasing
-``m``, and with NaN and Inf passed through (NaN payloads may differ, as in kernels/cast.py)."""
+"""The low-rank error-feedback passes (kernels/ef.py), Triton's interpreter on CPU and
+compiled on a CUDA machine: ``ef_add_cast`` gives the bits of the torch operations it
+replaces (partial last tile, every residual dtype, NaN and Inf passed through; NaN payloads
+may differ, as in kernels/cast.py); ``ef_apply`` forms the product within its summation
+bound and splits M exactly into output and residual, with ``out`` aliasing ``m``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from verl_comm.kernels.ef import ef_add_cast, ef_split
+from verl_comm.kernels.ef import ef_add_cast, ef_apply
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = "auto" if DEV == "cuda" else "triton"
@@ -40,24 +41,37 @@ def test_ef_add_cast_has_the_bits_of_add_then_to(rdt, n):
     assert _same_bits(m, want_m) and _same_bits(low, want_low)
 
 
-@pytest.mark.parametrize("rdt", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rdt", [torch.bfloat16, torch.float32, None])
 @pytest.mark.parametrize("alias", [True, False])
-def test_ef_split_has_the_bits_of_sub_then_copy(rdt, alias):
-    n = 4096 + 37
-    m, _ = _data(n, rdt, 1)
-    approx = (m + torch.randn(n, device=DEV) * 1e-3).to(torch.bfloat16)
-    want_r = torch.empty(n, dtype=rdt, device=DEV)
-    torch.sub(m, approx, out=want_r)
-    want_out = approx.float()
-    r = torch.empty(n, dtype=rdt, device=DEV)
-    out = m if alias else torch.empty(n, device=DEV)
-    ef_split(m, approx, r, out, backend=BACKEND)
-    assert _same_bits(r, want_r) and _same_bits(out, want_out)
+@pytest.mark.parametrize("rank", [5, 80])  # one partial rank block; two blocks
+def test_ef_apply_forms_p_qt_and_splits_exactly(rdt, alias, rank):
+    """out = A = P Q^T of the bf16-rounded factors (fp32 sums: within the summation-order
+    bound 2 r u sum_k |p_ik q_jk|, u = 2**-24, of torch's product), and the residual is
+    exactly M - A rounded once to its dtype: what is applied plus what is kept is M."""
+    n, cols = 100, 150  # partial tiles in both directions
+    g = torch.Generator().manual_seed(rank)
+    m = (torch.randn(n, cols, generator=g) * 3).to(DEV)
+    p = torch.randn(n, rank, generator=g).to(DEV)
+    q = torch.randn(cols, rank, generator=g).to(DEV)
+    pb, qb = p.bfloat16().float(), q.bfloat16().float()
+    want_a = pb @ qb.mT
+    bound = 2 * rank * 2.0**-24 * (pb.abs() @ qb.abs().mT)
+    m0 = m.clone()
+    r = None if rdt is None else torch.empty(n, cols, dtype=rdt, device=DEV)
+    out = m if alias else torch.empty(n * cols, device=DEV)
+    ef_apply(m0 if not alias else m, p, q, r, out, backend=BACKEND)
+    a = out.view(n, cols)
+    assert ((a - want_a).abs() <= bound).all()
+    if r is not None:
+        assert _same_bits(r, (m0 - a).to(rdt))
 
 
 def test_bad_input_is_refused():
     m = torch.zeros(8, device=DEV)
     with pytest.raises(ValueError, match="must match"):
         ef_add_cast(m, torch.zeros(7, device=DEV), torch.bfloat16)
+    m2, p = torch.zeros(4, 2, device=DEV), torch.zeros(4, 1, device=DEV)
     with pytest.raises(ValueError, match="contiguous"):
-        ef_split(m, torch.zeros(16, device=DEV)[::2], torch.zeros(8, device=DEV), m)
+        ef_apply(m2, p, torch.zeros(2, 1, device=DEV), torch.zeros(16, device=DEV)[::2], m2)
+    with pytest.raises(ValueError, match="do not chain"):
+        ef_apply(m2, p, torch.zeros(3, 1, device=DEV), None, m2)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verl_comm.kernels.ef import ef_add_cast, ef_split
+from verl_comm.kernels.ef import ef_add_cast, ef_apply
 
 from .cholqr import orthonormalize
 from .collective import Collective
@@ -451,20 +451,16 @@ def _finish_group(
     """Group ``gi`` after both payloads: residual ``E = M - P Q^T`` (kept rows put back),
     the warm-start Q stored, ``P Q^T`` written to the group's slots of ``out``."""
     g, state, cdt, gdt = c.plan.groups[gi], c.state, c.cdt, c.gdt
+    if cdt == torch.float32 and gdt == torch.bfloat16 and g.k == 1:
+        _apply_fused(c, gi, mat[0], p[0], q[0], kept)
+        _store_q(state, gi, q, q_prev)
+        return
     approx = None if gdt == cdt else torch.bmm(p.to(gdt), q.mT.to(gdt))
     if c.error_feedback or c.stats:
         # E = M - applied approximation (M is ours: the bucket or the work buffer)
         res = state.residuals[gi] if c.error_feedback else None
         if res is None or res.shape != mat.shape or res.dtype != c.residual_dtype:
             res = None
-        split = approx is not None and res is not None and not c.stats and g.k == 1
-        if split:  # E and the output in one pass (kernels/ef.py; torch ops on the CPU)
-            s0 = g.slots[0]
-            ef_split(mat, approx, res, c.out[s0.offset : s0.offset + s0.numel])
-            for i, old in kept:
-                res[i].copy_(old)
-            _store_q(state, gi, q, q_prev)
-            return
         if approx is None:
             err = mat.baddbmm_(p, q.mT, beta=1.0, alpha=-1.0)
         elif res is not None and not c.stats:
@@ -491,6 +487,39 @@ def _finish_group(
             approx = torch.bmm(p, q.mT)
         for i, s in enumerate(g.slots):
             out[s.offset : s.offset + s.numel].view(g.n, g.m).copy_(approx[i])
+
+
+def _apply_fused(
+    c: _Call,
+    gi: int,
+    mat: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    kept: list[tuple[int, torch.Tensor]],
+) -> None:
+    """One matrix (k = 1) with products in the lower dtype: ``A = P Q^T``, ``E = M - A``
+    and ``A`` written to the group's slot of ``out`` in one pass
+    (:func:`verl_comm.kernels.ef.ef_apply`; torch operations on the CPU). With statistics
+    the residual goes through an fp32 buffer first, so the output and the stored residual
+    are those of a step without statistics."""
+    g, state = c.plan.groups[gi], c.state
+    s0 = g.slots[0]
+    out = c.out[s0.offset : s0.offset + s0.numel]
+    res = state.residuals[gi] if c.error_feedback else None
+    if c.error_feedback and (
+        res is None or res.shape != (1, g.n, g.m) or res.dtype != c.residual_dtype
+    ):
+        res = state.residuals[gi] = torch.empty(
+            1, g.n, g.m, dtype=c.residual_dtype, device=mat.device
+        )
+    target = torch.empty_like(mat) if c.stats else (None if res is None else res[0])
+    ef_apply(mat, p, q, target, out, low_dtype=c.gdt)
+    if c.stats:
+        c.error_sq = c.error_sq + target.square().sum()
+        if res is not None:
+            res[0].copy_(target)
+    for i, old in kept:
+        res[i].copy_(old)
 
 
 def _store_q(state: LowRankBucketState, gi: int, q: torch.Tensor, q_prev: torch.Tensor) -> None:
