@@ -307,10 +307,17 @@ def dequant_sum_requant(
     *,
     return_sum: bool = False,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dequant_out: torch.Tensor | None = None,
+    dequant_scale: float = 1.0,
     backend: str = "auto",
     launch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Owner step of a quantized reduce-scatter: dequantize W chunks, sum in fp32, requantize.
+
+    With ``dequant_out`` the same pass also writes what :func:`dequantize` of the
+    requantized codes and scales with ``scale=dequant_scale`` gives, the same bits, for the
+    first ``dequant_out.numel()`` elements of the chunk: the owner's part of an all-reduce
+    result without reading its codes back (issue 28: at W = 1 the whole result).
 
     Args:
         codes: int8 ``(W, M)`` (rows may be strided views from ``unpack``; last dim stride 1).
@@ -338,8 +345,17 @@ def dequant_sum_requant(
         out = check_out_codes_scales(out, m, block, codes.device)
         if out[0].dim() != 1:
             raise ValueError(f"out codes must be 1-D (M,) = ({m},), got {tuple(out[0].shape)}")
+    if dequant_out is not None:
+        if dequant_out.numel() > m:
+            raise ValueError(f"dequant_out has {dequant_out.numel()} elements, the chunk {m}")
+        check_float_input("dequant_out", dequant_out)
+        if dequant_out.device != codes.device:
+            raise ValueError("dequant_out must be on the codes' device")
     if not _use_triton(codes, backend):
         res = ref.dequant_sum_requant_ref(codes, scales, block, return_sum=return_sum)
+        if dequant_out is not None and dequant_out.numel():
+            ref.dequantize_ref(res[0], res[1], block, scale=dequant_scale,
+                               numel=dequant_out.numel(), out=dequant_out.view(-1))  # fmt: skip
         return (*_copy_out(res[0], res[1], out), *res[2:])
     dev = codes.device
     if out is None:
@@ -363,10 +379,15 @@ def dequant_sum_requant(
                 nblocks,
                 codes.stride(0),
                 scales.stride(0),
+                out_scales if dequant_out is None else dequant_out,
+                0 if dequant_out is None else dequant_out.numel(),
+                float(dequant_scale),
                 W=w_count,
                 BLOCK=block,
                 BLOCKS_PER_PROG=bpp,
                 WRITE_SUM=return_sum,
+                WRITE_DEQ=dequant_out is not None,
+                APPLY_FACTOR=float(dequant_scale) != 1.0,
                 TINY=TINY,
                 ON_GPU=codes.is_cuda,
                 USE_INT64=_FORCE_INT64 or w_count * codes.stride(0) >= _INT32_LIMIT,
@@ -377,4 +398,6 @@ def dequant_sum_requant(
         out_codes.zero_()
         out_scales.zero_()
         total.zero_()
+        if dequant_out is not None:
+            dequant_out.zero_()
     return (out_codes, out_scales, total) if return_sum else (out_codes, out_scales)

@@ -118,15 +118,23 @@ def _dequant_sum_requant_kernel(
     nblocks,
     stride_cw,
     stride_sw,
+    deq_ptr,
+    deq_numel,
+    factor,
     W: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCKS_PER_PROG: tl.constexpr,
     WRITE_SUM: tl.constexpr,
+    WRITE_DEQ: tl.constexpr,
+    APPLY_FACTOR: tl.constexpr,
     TINY: tl.constexpr,
     ON_GPU: tl.constexpr,
     USE_INT64: tl.constexpr,
 ):
-    """codes (W, M) int8 + scales (W, M/BLOCK) fp32 -> fp32 sum over W -> requantized (M,)."""
+    """codes (W, M) int8 + scales (W, M/BLOCK) fp32 -> fp32 sum over W -> requantized (M,).
+
+    WRITE_DEQ: also deq (deq_numel,) = (codes * scale) [* factor] of the requantized chunk,
+    the arithmetic of ``_dequantize_kernel`` (the owner's chunk of the all-reduce result)."""
     pid = tl.program_id(0)
     if USE_INT64:
         pid = pid.to(tl.int64)
@@ -146,6 +154,11 @@ def _dequant_sum_requant_kernel(
     tl.store(out_scales_ptr + rows, scale, mask=row_ok)
     if WRITE_SUM:
         tl.store(sum_ptr + idx, acc, mask=row_ok[:, None])
+    if WRITE_DEQ:
+        y = c * scale[:, None]  # c holds the integral codes: the same product as int8 -> fp32
+        if APPLY_FACTOR:
+            y = y * factor
+        tl.store(deq_ptr + idx, _cast_out(y, deq_ptr, ON_GPU), mask=idx < deq_numel)
 
 
 @triton.jit

@@ -164,6 +164,25 @@ def test_dequant_sum_requant_bit_exact(w: int, block: int) -> None:
     assert len(plain) == 2 and _same(plain[0], got[0]) and _same(plain[1], got[1])
 
 
+@pytest.mark.parametrize("out_dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("keep", (4 * 1024, 4 * 1024 - 77))  # the whole chunk; a padded tail
+def test_dequant_sum_requant_writes_dequantize_bits(out_dtype, keep: int) -> None:
+    """``dequant_out``: the owner's chunk of the result from the same pass, with the bits of
+    ``dequantize`` of the requantized codes (scale 1/3, a NaN scale block included)."""
+    m, block = 4 * 1024, 128
+    parts = [quantize(_data(m, torch.float32, seed=20 + i, specials=False), block, **T)
+             for i in range(3)]  # fmt: skip
+    codes = torch.stack([p[0] for p in parts])
+    scales = torch.stack([p[1] for p in parts])
+    scales[1, 5] = float("nan")
+    deq = torch.empty(keep, dtype=out_dtype, device=codes.device)
+    c, s = dequant_sum_requant(codes, scales, block, dequant_out=deq, dequant_scale=1 / 3, **T)
+    want = dequantize(c, s, block, scale=1 / 3, numel=keep, out_dtype=out_dtype, **T)
+    assert _same(deq, want) and torch.isnan(deq[5 * block : 6 * block].float()).all()
+    with pytest.raises(ValueError, match="elements, the chunk"):
+        dequant_sum_requant(codes, scales, block, dequant_out=torch.empty(m + 1), **T)
+
+
 def test_dequant_sum_requant_propagates_nonfinite_scale() -> None:
     codes = torch.randint(-127, 128, (2, 512), dtype=torch.int8, device=DEV)
     scales = torch.rand(2, 4, device=DEV)

@@ -238,8 +238,9 @@ def _reduce_direct(
     (issue 28): ``quantize_ef`` writes the codes and scales of row w straight into row w
     of the packed ``(W, L)`` send buffer; the owner's ``dequant_sum_requant`` writes into
     this rank's row of the all-gather buffer, which the all-gather then uses in place as
-    its input (NCCL's in-place form: input at ``output + rank * L``); ``dequantize`` reads
-    the gathered rows into ``out``. Memory: send + receive (2 x codes + scales) during the
+    its input (NCCL's in-place form: input at ``output + rank * L``), and in the same pass
+    this rank's chunk of ``out`` (dequantized there, not read back: at W = 1 all of it);
+    ``dequantize`` reads the other ranks' gathered rows into the rest of ``out``. Memory: send + receive (2 x codes + scales) during the
     all-to-all, then receive + gathered, as before. ``backend`` is the launchers' (tests run
     the Triton kernels on CPU tensors with ``"triton"``).
     """
@@ -260,12 +261,21 @@ def _reduce_direct(
     gathered = torch.empty_like(recv)
     mine = gathered[coll.rank]
     rc, rs = unpack(recv, block)
-    dequant_sum_requant(rc, rs, block, out=unpack(mine, block), backend=backend)
+    scale = 1.0 / w if average else 1.0
+    # the owner's chunk of the result comes out of the same pass (its codes are not read
+    # back); the other ranks' chunks are dequantized after the all-gather
+    lo, hi = min(coll.rank * m, n), min((coll.rank + 1) * m, n)
+    dequant_sum_requant(rc, rs, block, out=unpack(mine, block), dequant_out=out[lo:hi],
+                        dequant_scale=scale, backend=backend)  # fmt: skip
     del recv, rc, rs
     coll.all_gather_into_tensor(gathered.view(-1), mine)
     g_codes, g_scales = unpack(gathered, block)
-    scale = 1.0 / w if average else 1.0
-    dequantize(g_codes, g_scales, block, scale=scale, numel=n, out=out, backend=backend)
+    if lo > 0:
+        dequantize(g_codes[: coll.rank], g_scales[: coll.rank], block, scale=scale,
+                   numel=lo, out=out[:lo], backend=backend)  # fmt: skip
+    if hi < n:
+        dequantize(g_codes[coll.rank + 1 :], g_scales[coll.rank + 1 :], block, scale=scale,
+                   numel=n - hi, out=out[hi:], backend=backend)  # fmt: skip
     finite = torch.isfinite(g_scales).all()
     return ReduceResult(out, coll.bytes_sent - sent0, finite)
 
