@@ -24,10 +24,9 @@ def orthonormalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     r, and after the max-abs prescaling the Gram matrix neither overflows nor underflows
     (fp32 inputs from 1e-45 to 3e38). Cost per matrix and pass: the fp64 Gram product
     ``(r, n) x (n, r)``, an r x r Cholesky factorisation and one triangular solve with the
-    n rows of X as right-hand sides. Inside a CUDA graph on an H200 (n = 4096) the whole
-    orthonormalisation took 256 us at r = 128 and 134 us at r = 32 this way, against 287
-    and 143 us with the r x r triangular inverse and a product over n instead (issue 28's
-    low rank r128 target; the kernels are latency-bound, not flop-bound). No host sync, no
+    n rows of X as right-hand sides (one latency-bound kernel fewer per pass than forming
+    the r x r inverse and multiplying by it, which cost more on an H200 at n = 4096 in a
+    one-off timing inside a CUDA graph; issue 28's low rank r128 target). No host sync, no
     data-dependent branch.
 
     Source: CholeskyQR2, Fukaya, Nakatsukasa, Yanagisawa, Yamamoto, "CholeskyQR2: a simple
