@@ -363,38 +363,3 @@ def test_auto_measurement_step_holds_inline_buckets_until_the_last():
     assert shadows[2] == 0.0 and 0.05 <= shadows[1] < shadows[0]
     assert shadows[0] >= 0.1 and shadows[0] < 1.1  # two sleeps; 1 s of slack on a busy CPU
     assert st.iteration == 3 and st.last_stats[0].method in ("allreduce", "bf16", "int8")
-
-
-@pytest.mark.parametrize("policy", ["fixed", "auto"])
-def test_lowrank_factor_wire_does_not_depend_on_the_policy(policy, monkeypatch):
-    """Low rank's factor wire comes from a link model measured on a 1 MiB buffer whether
-    auto or the fixed method chose low rank; auto's bucket-sized ``state.link`` (here one
-    under which int8 factors would win) does not change it, and it survives a state_dict
-    round trip and is re-measured after ``recalibrate``."""
-    from verl_comm.compression import LinkModel, ThreadGroup
-    from verl_comm.compression.lowrank_plan import LowRankPlan, MatrixGroup, TensorSlot
-    from verl_comm.hooks import _core
-    from verl_comm.hooks.state import BucketState
-
-    sizes = []
-
-    def fake_measure(coll, device, large_bytes=4 << 20, **kw):
-        sizes.append(large_bytes)
-        return LinkModel(alpha_s=1e-3, beta_s_per_byte=1e-9, world_size=2)  # latency-bound
-
-    monkeypatch.setattr(_core, "measure_link", fake_measure)
-    st = CommHookState(
-        config=cfg(policy=policy, **LOWRANK), collective=ThreadGroup(2).collective(0)
-    )
-    if policy == "auto":  # as measured by auto on a 64 MiB bucket: bandwidth-bound
-        st.link = LinkModel(alpha_s=1e-7, beta_s_per_byte=1e-6, world_size=2)
-    n, m, r = 512, 512, 4
-    plan = LowRankPlan(n * m, (MatrixGroup(n, m, r, (TensorSlot(0, n * m, (n, m)),)),), ())
-    wire = _core.bucket_wire(st, BucketState((), ()), plan, torch.device("cpu"))
-    assert sizes == [_core.FACTOR_LINK_BYTES]
-    assert (wire.p, wire.q) == ("fp32", "fp32")  # one collective each beats int8's two
-    st2 = CommHookState(config=cfg(policy=policy, **LOWRANK), collective=st.collective)
-    st2.load_state_dict(st.state_dict())
-    assert st2.factor_link == st.factor_link
-    st.recalibrate()
-    assert st.factor_link is None

@@ -170,31 +170,20 @@ def bucket_plan(state: CommHookState, bs: BucketState, numel: int) -> LowRankPla
     return bs.plan
 
 
-FACTOR_LINK_BYTES = 1 << 20
-"""Size of the large all-reduce of the link model that low rank's factor wire is chosen
-from: about the size of the factors themselves (the model :func:`bucket_wire` uses)."""
-
-
-def factor_link_model(state: CommHookState, device: torch.device) -> LinkModel:
-    """The link model of low rank's factor payloads, measured once on the state's collective
-    (collectives on every rank, in bucket order) with a :data:`FACTOR_LINK_BYTES` buffer.
-    Kept apart from ``policy: auto``'s bucket-sized ``state.link``, so a low-rank bucket
-    sends its factors the same way whether auto or the fixed method chose low rank (issue
-    28: with auto's model the factors went int8 where the fixed r8 sent bf16, 18x the
-    relative error)."""
-    if state.factor_link is None:
-        state.factor_link = measure_link(state.collective, device, large_bytes=FACTOR_LINK_BYTES)
-    return state.factor_link
+def link_model(state: CommHookState, device: torch.device) -> LinkModel:
+    """The state's link model, measured once (collectives on every rank, in bucket order)."""
+    if state.link is None:
+        state.link = measure_link(state.collective, device, large_bytes=1 << 20)
+    return state.link
 
 
 def bucket_wire(state: CommHookState, bs: BucketState, plan: LowRankPlan, dev) -> FactorWire:
-    """Per payload (P, Q, rest) the wire the factor link model predicts fastest (cached per
-    bucket): the int8 two-step all-reduce (2 collectives, ~1 byte per element) or one
-    all-reduce in bf16 (factors only) or fp32. Within 5% of the fastest, the more precise
-    one wins."""
+    """Per payload (P, Q, rest) the wire the link model predicts fastest (cached per bucket):
+    the int8 two-step all-reduce (2 collectives, ~1 byte per element) or one all-reduce in
+    bf16 (factors only) or fp32. Within 5% of the fastest, the more precise one wins."""
     if bs.wire is None:
         w = state.collective.world_size
-        link = factor_link_model(state, dev) if w > 1 else LinkModel(0.0, 0.0, 1)
+        link = link_model(state, dev) if w > 1 else LinkModel(0.0, 0.0, 1)
         b = state.config.quant_block
 
         def pick(numel: int, modes: tuple[str, ...]) -> str:

@@ -177,7 +177,6 @@ class CommHookState:
         last_stats: ``{bucket index: BucketStats}`` of the latest completed step.
         nonfinite_events: ``(iteration, bucket index)`` of every non-finite bucket seen.
         link: the adaptive policy's :class:`~verl_comm.compression.LinkModel` once measured.
-        factor_link: the link model low rank's factor wire is chosen from, once measured.
     """
 
     def __init__(
@@ -200,7 +199,6 @@ class CommHookState:
         self.last_stats: dict[int, BucketStats] = {}
         self.nonfinite_events: list[tuple[int, int]] = []
         self.link: LinkModel | None = None
-        self.factor_link: LinkModel | None = None
         self._coll: Collective | None = collective
         self._pending: list[BucketRecord] = []
         self._streams: dict[torch.device, Any] = {}
@@ -315,7 +313,6 @@ class CommHookState:
         measured and decided again at the step after it."""
         self._measure_at = self.iteration
         self.link = None
-        self.factor_link = None
         for b in self.buckets.values():
             b.decision = None
             b.wire = None
@@ -395,7 +392,7 @@ class CommHookState:
 
         Returns:
             dict with ``format``, ``world_size``, ``iteration``, ``seed``, ``generator``
-            (uint8 RNG state), ``config`` (dict), ``link``, ``factor_link`` and ``buckets`` (per index:
+            (uint8 RNG state), ``config`` (dict), ``link`` and ``buckets`` (per index:
             signature, meta, tensors cloned on their device, decision). Save it per rank
             (residuals differ between ranks). Buckets in flight are waited for first
             (worker drained, side streams joined; no host sync on CUDA).
@@ -421,7 +418,6 @@ class CommHookState:
             "generator": self.generator.get_state(),
             "config": self.config.model_dump(),
             "link": None if self.link is None else asdict(self.link),
-            "factor_link": None if self.factor_link is None else asdict(self.factor_link),
             "buckets": buckets,
         }
 
@@ -449,7 +445,6 @@ class CommHookState:
         self.generator.set_state(sd["generator"])
         self.buckets = {}
         self.link = None
-        self.factor_link = None
         self._resume_until = self.iteration + self.config.start_iter
         self._measure_at = self._resume_until  # buckets loaded undecided measure then
         if sd["world_size"] != self.world_size:
@@ -464,11 +459,6 @@ class CommHookState:
             return
         if sd["link"] is not None:
             self.link = LinkModel(**sd["link"])
-        # states saved before the factor link existed: fixed low rank chose its factor wire
-        # from "link" (measured the same way), auto from its own model (re-measured now)
-        fl = sd.get("factor_link", sd["link"] if sd["config"].get("policy") == "fixed" else None)
-        if fl is not None:
-            self.factor_link = LinkModel(**fl)
         for idx, b in sd["buckets"].items():
             lr = LowRankBucketState(
                 qs=[_clone(q) for q in b["qs"]],
