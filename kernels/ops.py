@@ -99,8 +99,8 @@ def quantize(
             ``(N_pad // B,)``, or ``(R, N_pad / R)`` and ``(R, N_pad / R / B)`` with strided
             rows (e.g. ``unpack`` of a ``(W, L)`` packed send buffer: row r gets elements
             ``[r M, (r + 1) M)``), written in place with the same bits as the returned
-            tensors of a call without ``out`` (Triton: one launch per row, no copy;
-            reference: computed, then copied in).
+            tensors of a call without ``out`` (Triton: one launch per row; reference: chunk
+            by chunk), no copy.
         backend, launch: see the module docstring.
 
     Returns:
@@ -118,10 +118,9 @@ def quantize(
     check_block(block)
     out = _check_out(x, block, pad_to, out)
     if not _use_triton(x, backend):
-        c, s = ref.quantize_ref(
-            x, block, stochastic=stochastic, seed=seed, offset=offset, pad_to=pad_to
+        return ref.quantize_ref(
+            x, block, stochastic=stochastic, seed=seed, offset=offset, pad_to=pad_to, out=out
         )
-        return _copy_out(c, s, out)
     ref._check_seed(seed, offset)
     codes, scales = empty_codes_scales(x, block, pad_to) if out is None else out
     _quantize_rows(x, None, codes, scales, block, stochastic, seed, offset, launch)
@@ -160,7 +159,7 @@ def quantize_ef(
     check_block(block)
     out = _check_out(x, block, pad_to, out)
     if not _use_triton(x, backend):
-        return _copy_out(*ref.quantize_ef_ref(x, residual, block, pad_to=pad_to), out)
+        return ref.quantize_ef_ref(x, residual, block, pad_to=pad_to, out=out)
     codes, scales = empty_codes_scales(x, block, pad_to) if out is None else out
     _quantize_rows(x, residual, codes, scales, block, False, 0, 0, launch)
     return codes, scales
@@ -170,16 +169,6 @@ def _check_out(x, block, pad_to, out):
     if out is None:
         return None
     return check_out_codes_scales(out, resolve_pad(x.numel(), block, pad_to), block, x.device)
-
-
-def _copy_out(codes, scales, out):
-    """The reference's results, or copied into ``out`` (1-D, or rows of a 2-D view)."""
-    if out is None:
-        return codes, scales
-    oc, os_ = out
-    oc.copy_(codes.view(oc.shape))
-    os_.copy_(scales.view(os_.shape))
-    return oc, os_
 
 
 def _quantize_rows(x, residual, codes, scales, block, stochastic, seed, offset, launch) -> None:
@@ -326,8 +315,8 @@ def dequant_sum_requant(
         return_sum: also return the fp32 sum ``(M,)`` (written by the same pass).
         out: optional destination ``(codes, scales)``: int8 ``(M,)`` and fp32 ``(M // B,)``,
             each with stride 1 (e.g. ``unpack`` of this rank's row of an all-gather buffer),
-            written in place with the bits of a call without ``out`` (Triton: by the kernel
-            itself; reference: computed, then copied in). Must not overlap the inputs.
+            written in place with the bits of a call without ``out`` (by the kernel or the
+            reference's chunks, no copy). Must not overlap the inputs.
         backend, launch: see the module docstring.
 
     Returns:
@@ -352,11 +341,11 @@ def dequant_sum_requant(
         if dequant_out.device != codes.device:
             raise ValueError("dequant_out must be on the codes' device")
     if not _use_triton(codes, backend):
-        res = ref.dequant_sum_requant_ref(codes, scales, block, return_sum=return_sum)
+        res = ref.dequant_sum_requant_ref(codes, scales, block, return_sum=return_sum, out=out)
         if dequant_out is not None and dequant_out.numel():
             ref.dequantize_ref(res[0], res[1], block, scale=dequant_scale,
                                numel=dequant_out.numel(), out=dequant_out.view(-1))  # fmt: skip
-        return (*_copy_out(res[0], res[1], out), *res[2:])
+        return res
     dev = codes.device
     if out is None:
         out_codes = torch.empty(m, dtype=torch.int8, device=dev)

@@ -68,37 +68,53 @@ def philox_uniform_ref(seed: int, counters: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 def _quantize_blocks(
-    v: torch.Tensor, *, stochastic: bool = False, seed: int = 0, offset: int = 0
+    v: torch.Tensor,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    work: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize fp32 ``v`` of shape ``(nblocks, block)``.
 
-    Returns ``(codes_f, scales, ok)``: fp32 integer-valued codes ``(nblocks, block)``, fp32
-    scales ``(nblocks,)`` and the mask of blocks that were quantized normally.
+    Returns ``(codes_f, scales, ok)``: fp32 integer-valued codes ``(nblocks, block)`` (in
+    ``work``, an fp32 buffer of ``v.numel()`` elements, when given), fp32 scales
+    ``(nblocks,)`` and the mask of blocks that were quantized normally.
     """
     # max |v| per block; amax propagates NaN, so the block maximum is NaN or Inf exactly when
     # some element is (a separate all(|v| <= max) reduction cost 9x the amax on the CPU)
-    absmax = v.abs().amax(dim=1)
-    bad = ~(absmax <= torch.finfo(torch.float32).max)  # NaN or Inf anywhere in the block
-    ok = ~bad & (absmax >= TINY)
-    safe = torch.where(ok, absmax, torch.ones_like(absmax))
+    c = torch.empty_like(v) if work is None else work.view(v.shape)
+    absmax = torch.abs(v, out=c).amax(dim=1)
+    ok = (absmax >= TINY) & (absmax <= _FP32_MAX)  # False for NaN/Inf and all-zero blocks
     # Tensor / tensor divisions: torch turns `127 / t` into `t.reciprocal() * 127` and, on
     # CUDA, `t / 127` into `t * (1 / 127)`; both round differently from one IEEE division.
-    qmax = torch.full_like(safe, float(QMAX))
-    scale = torch.where(ok, safe / qmax, torch.zeros_like(absmax))
-    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
-    inv = torch.where(ok, qmax / safe, torch.zeros_like(absmax))
+    qmax = torch.full_like(absmax, float(QMAX))
+    all_ok = not v.is_cuda and bool(ok.all())  # the common case on the CPU: fewer calls
+    if all_ok:
+        scale, inv = absmax / qmax, qmax / absmax
+    else:
+        bad = ~(absmax <= _FP32_MAX)  # NaN or Inf anywhere in the block
+        safe = torch.where(ok, absmax, torch.ones_like(absmax))
+        scale = torch.where(ok, safe / qmax, torch.zeros_like(absmax))
+        scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
+        inv = torch.where(ok, qmax / safe, torch.zeros_like(absmax))
     # the same IEEE operations as the kernels, in place on one work tensor (a CPU pass over
     # memory is what this reference costs: it runs the CPU hooks)
-    c = v * inv[:, None]
+    torch.mul(v, inv[:, None], out=c)
     if stochastic:
         counters = offset + torch.arange(v.numel(), device=v.device, dtype=torch.int64)
         c.add_(philox_uniform_ref(seed, counters).view_as(v)).floor_()
+        c.clamp_(-QMAX, QMAX)
     else:
-        c.round_()  # round half to even
-    c.clamp_(-QMAX, QMAX)
-    if v.is_cuda or not bool(ok.all()):  # zero the codes of NaN/Inf and all-zero blocks
-        c = torch.where(ok[:, None], c, torch.zeros((), dtype=c.dtype, device=c.device))
+        # round half to even. The kernels' clamp to [-127, 127] is a no-op here: |v| <=
+        # absmax and inv = fl(127 / absmax), so |v * inv| <= 127 (1 + 2^-24)^2 < 127.5
+        c.round_()
+    if not all_ok:  # zero the codes of NaN/Inf and all-zero blocks
+        c.masked_fill_(~ok[:, None], 0.0)
     return c, scale, ok
 
 
@@ -109,25 +125,64 @@ def _check_seed(seed: int, offset: int) -> None:
         raise ValueError(f"offset must be an int in [0, 2**62), got {offset!r}")
 
 
-CHUNK_BLOCKS = 2048
-"""Blocks processed per pass by the references: transient fp32 memory stays at a few
-``CHUNK_BLOCKS * B * 4`` bytes however large the input (the blocks are independent, so the
-result is the same bit for bit as one pass over everything)."""
-
-
-def _padded_fp32(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of the zero-padded flat ``x`` as a new fp32 tensor."""
-    flat = x.reshape(-1)
-    v = torch.empty(hi - lo, dtype=torch.float32, device=x.device)
-    end = max(min(hi, flat.numel()), lo)
-    v[: end - lo] = flat[lo:end]
-    v[end - lo :].zero_()
-    return v
+CHUNK_BLOCKS = 4096
+"""Blocks processed per pass by the references: transient fp32 memory stays at two work
+buffers of at most ``CHUNK_BLOCKS * B * 4`` bytes, and of a quarter of the input for small
+inputs (the blocks are independent, so the result is the same bit for bit as one pass over
+everything)."""
 
 
 def _chunks(n_pad: int, block: int) -> list[tuple[int, int]]:
-    step = CHUNK_BLOCKS * block
+    nblocks = n_pad // block
+    step = max(1, min(CHUNK_BLOCKS, -(-nblocks // 4))) * block
     return [(lo, min(lo + step, n_pad)) for lo in range(0, n_pad, step)]
+
+
+def _work(chunks: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """Two fp32 work buffers ``(2, chunk)`` reused by every chunk of a reference's loop
+    (a fresh tensor per operation and chunk cost page faults and cache misses on the CPU)."""
+    size = max((hi - lo for lo, hi in chunks), default=0)
+    return torch.empty(2, size, dtype=torch.float32, device=device)
+
+
+def _store(out: tuple[torch.Tensor, torch.Tensor], lo: int, c: torch.Tensor, s: torch.Tensor,
+           block: int) -> None:  # fmt: skip
+    """Write fp32 codes ``c`` (cast to int8) and scales ``s`` of flat elements ``[lo, lo +
+    c.numel())`` into ``out``: 1-D ``(N,)`` / ``(N / B,)``, or rows ``(R, M)`` /
+    ``(R, M / B)`` of a packed buffer (row ``r`` holds ``[r M, (r + 1) M)``), a part of a
+    row at a time."""
+    codes, scales = out
+    c, s = c.reshape(-1), s.reshape(-1)
+    if codes.dim() == 1:
+        codes[lo : lo + c.numel()].copy_(c)
+        scales[lo // block : lo // block + s.numel()].copy_(s)
+        return
+    m = codes.shape[1]
+    k = 0
+    while k < c.numel():
+        r, col = divmod(lo + k, m)
+        take = min(c.numel() - k, m - col)
+        codes[r, col : col + take].copy_(c[k : k + take])
+        scales[r, col // block : (col + take) // block].copy_(s[k // block : (k + take) // block])
+        k += take
+
+
+def _load(v: torch.Tensor, x: torch.Tensor, lo: int, add: torch.Tensor | None = None) -> None:
+    """``v`` (fp32, a chunk of the zero-padded input from flat element ``lo``) =
+    ``float32(x) + float32(add)`` over the part of ``[lo, lo + v.numel())`` inside ``x``,
+    zeros after it. The 16-bit operand is converted by a copy first: the same fp32 sum as
+    torch's mixed-dtype addition, which runs a slower path in its CPU kernels."""
+    end = max(min(lo + v.numel(), x.numel()), lo)
+    k = end - lo
+    v[k:].zero_()
+    if add is None:
+        v[:k].copy_(x[lo:end])
+    elif x.dtype == add.dtype == torch.float32:
+        torch.add(x[lo:end], add[lo:end], out=v[:k])
+    else:  # fp32 addition commutes: copy the 16-bit operand, add the other
+        a, b = (add, x) if x.dtype == torch.float32 else (x, add)
+        v[:k].copy_(a[lo:end])
+        v[:k].add_(b[lo:end])
 
 
 def quantize_ref(
@@ -138,6 +193,7 @@ def quantize_ref(
     seed: int = 0,
     offset: int = 0,
     pad_to: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absmax int8 block quantization (torch reference of :func:`verl_comm.kernels.quantize`).
 
@@ -149,9 +205,13 @@ def quantize_ref(
         seed, offset: Philox seed in [0, 2**63) and counter offset; element ``i`` of the padded
             input uses counter ``offset + i``. Advance ``offset`` by ``N_pad`` between calls.
         pad_to: ``N_pad`` (>= N, multiple of B); default ``padded_numel(N, B)``.
+        out: optional destination ``(codes, scales)``, validated by the caller
+            (:func:`~verl_comm.kernels._common.check_out_codes_scales`): 1-D, or rows of a
+            packed buffer; written in place.
 
     Returns:
-        ``codes`` int8 ``(N_pad,)`` in [-127, 127] and ``scales`` fp32 ``(N_pad // B,)``,
+        ``codes`` int8 ``(N_pad,)`` in [-127, 127] and ``scales`` fp32 ``(N_pad // B,)``
+        (``out``'s tensors when given),
         ``scale = absmax / 127``. Padding elements are zeros (their codes are 0).
         Error bound per element: ``scale / 2`` (nearest), ``< scale`` (stochastic).
         A block with NaN/Inf gets scale NaN and codes 0; an all-zero block scale 0, codes 0.
@@ -162,13 +222,17 @@ def quantize_ref(
     check_float_input("x", x)
     check_block(block)
     _check_seed(seed, offset)
-    codes, scales = empty_codes_scales(x, block, pad_to)
+    codes, scales = empty_codes_scales(x, block, pad_to) if out is None else out
     n_pad = codes.numel()
-    for lo, hi in _chunks(n_pad, block):
-        v = _padded_fp32(x, lo, hi).view(-1, block)
-        c, scale, _ = _quantize_blocks(v, stochastic=stochastic, seed=seed, offset=offset + lo)
-        codes[lo:hi] = c.view(-1)
-        scales[lo // block : hi // block] = scale
+    chunks = _chunks(n_pad, block)
+    work = _work(chunks, x.device)
+    flat = x.reshape(-1)
+    for lo, hi in chunks:
+        v = work[0, : hi - lo]
+        _load(v, flat, lo)
+        c, scale, _ = _quantize_blocks(v.view(-1, block), stochastic=stochastic, seed=seed,
+                                       offset=offset + lo, work=work[1, : hi - lo])  # fmt: skip
+        _store((codes, scales), lo, c, scale, block)
     return codes, scales
 
 
@@ -178,6 +242,7 @@ def quantize_ef_ref(
     block: int = 128,
     *,
     pad_to: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x + residual`` with error feedback (reference of ``quantize_ef``).
 
@@ -185,7 +250,7 @@ def quantize_ef_ref(
         x: contiguous fp32/bf16/fp16 tensor of N elements.
         residual: contiguous tensor of N elements, dtype ``x.dtype`` or fp32. Updated IN PLACE
             to ``(x + residual) - dequant(codes)`` (computed in fp32, then cast to its dtype).
-        block, pad_to: as in :func:`quantize_ref` (nearest rounding only).
+        block, pad_to, out: as in :func:`quantize_ref` (nearest rounding only).
 
     Returns:
         ``(codes int8 (N_pad,), scales fp32 (N_pad // B,))`` of ``v = float32(x) +
@@ -199,26 +264,21 @@ def quantize_ef_ref(
     check_residual(x, residual)
     check_block(block)
     n = x.numel()
-    codes, scales = empty_codes_scales(x, block, pad_to)
+    codes, scales = empty_codes_scales(x, block, pad_to) if out is None else out
     n_pad = codes.numel()
     res = residual.view(-1)
     flat = x.reshape(-1)
-    # fp32 arithmetic straight from the inputs when type promotion gives it (one pass)
-    fused = torch.float32 in (x.dtype, residual.dtype)
-    for lo, hi in _chunks(n_pad, block):
-        end = min(hi, n)
-        if fused and end == hi:
-            v = torch.add(flat[lo:end], res[lo:end])
-        else:
-            v = _padded_fp32(x, lo, hi)
-            if end > lo:
-                v[: end - lo] += res[lo:end]
-        v = v.view(-1, block)
-        c, scale, _ = _quantize_blocks(v)
-        codes[lo:hi] = c.view(-1)
-        scales[lo // block : hi // block] = scale
+    chunks = _chunks(n_pad, block)
+    work = _work(chunks, x.device)
+    for lo, hi in chunks:
+        end = max(min(hi, n), lo)
+        v = work[0, : hi - lo]
+        _load(v, flat, lo, res)
+        c, scale, _ = _quantize_blocks(v.view(-1, block), work=work[1, : hi - lo])
+        _store((codes, scales), lo, c, scale, block)
         if end > lo:  # residual = v - codes * scale, in place (c is no longer needed)
-            res[lo:end] = v.sub_(c.mul_(scale[:, None])).view(-1)[: end - lo]
+            v.view(-1, block).sub_(c.mul_(scale[:, None]))
+            res[lo:end].copy_(v[: end - lo])
     return codes, scales
 
 
@@ -326,6 +386,7 @@ def dequant_sum_requant_ref(
     block: int = 128,
     *,
     return_sum: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Owner step of a quantized reduce-scatter (reference of ``dequant_sum_requant``).
 
@@ -337,24 +398,35 @@ def dequant_sum_requant_ref(
         scales: fp32 ``(W, M // B)``.
         block: block size B.
         return_sum: also return the fp32 sum ``(M,)``.
+        out: optional 1-D destination ``(codes (M,), scales (M // B,))``, written in place
+            (validated by the caller); must not overlap the inputs.
 
     Returns:
-        ``(codes int8 (M,), scales fp32 (M // B,))`` or ``(codes, scales, sum)``. A non-finite
-        input scale makes the output scale of that block NaN.
+        ``(codes int8 (M,), scales fp32 (M // B,))`` (``out``'s when given) or ``(codes,
+        scales, sum)``. A non-finite input scale makes the output scale of that block NaN.
     """
     w_count, m = check_codes_scales(codes, scales, block, batched=True)
     dev = codes.device
-    out_codes = torch.empty(m, dtype=torch.int8, device=dev)
-    out_scales = torch.empty(m // block, dtype=torch.float32, device=dev)
+    if out is None:
+        out = (torch.empty(m, dtype=torch.int8, device=dev),
+               torch.empty(m // block, dtype=torch.float32, device=dev))  # fmt: skip
     total = torch.empty(m if return_sum else 0, dtype=torch.float32, device=dev)
-    for lo, hi in _chunks(m, block):
+    chunks = _chunks(m, block)
+    work = _work(chunks, dev)
+    for lo, hi in chunks:
         nb, b0 = (hi - lo) // block, lo // block
-        acc = torch.zeros(nb, block, dtype=torch.float32, device=dev)
+        acc, term = work[0, : hi - lo].view(nb, block), work[1, : hi - lo].view(nb, block)
+        if w_count == 0:
+            acc.zero_()
         for w in range(w_count):  # fp32(code) * scale, then the running fp32 sum
-            acc.add_(codes[w, lo:hi].reshape(nb, block) * scales[w, b0 : b0 + nb].reshape(nb, 1))
-        c, scale, _ = _quantize_blocks(acc)
-        out_codes[lo:hi] = c.view(-1)
-        out_scales[b0 : b0 + nb] = scale
+            s_w = scales[w, b0 : b0 + nb].reshape(nb, 1)
+            term.copy_(codes[w, lo:hi].reshape(nb, block)).mul_(s_w)
+            if w == 0:  # 0 + t == t (codes are integers: a zero code gives +0, not -0)
+                acc.copy_(term)
+            else:
+                acc.add_(term)
         if return_sum:
             total[lo:hi] = acc.view(-1)
-    return (out_codes, out_scales, total) if return_sum else (out_codes, out_scales)
+        c, scale, _ = _quantize_blocks(acc, work=term)
+        _store(out, lo, c, scale, block)
+    return (*out, total) if return_sum else out

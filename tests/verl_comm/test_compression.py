@@ -519,14 +519,16 @@ def test_describe_choices_names_each_bucket_path_and_the_link():
 @pytest.mark.parametrize("world,n", [(2, 20_000), (3, 30_001)])
 @pytest.mark.parametrize("residual_dtype", [None, torch.bfloat16, torch.float32])
 def test_int8_host_slices_bit_identical_to_one_pass(monkeypatch, world, n, residual_dtype):
-    """CPU slices and bounded kernel calls (issue 28: host memory) change neither the
-    result, nor the residual, nor the bytes: blocks keep their positions (bit equality is
-    the property: the same fp32 operations on the same blocks)."""
+    """CPU slices and the references' bounded chunks (issue 28: host memory) change neither
+    the result, nor the residual, nor the bytes: blocks keep their positions (bit equality
+    is the property: the same fp32 operations on the same blocks)."""
     import sys
+
+    import verl_comm.kernels.reference as ref
 
     mod = sys.modules["verl_comm.compression.int8_allreduce"]
     monkeypatch.setattr(mod, "HOST_MIN_SLICE_BYTES", 1024)  # HOST_SLICES slices at this n
-    monkeypatch.setattr(mod, "HOST_MIN_PASS_NUMEL", 256)  # several calls per slice
+    monkeypatch.setattr(ref, "CHUNK_BLOCKS", 2)  # several chunks per kernel call
     g = torch.Generator().manual_seed(n)
     xs = [torch.randn(n, generator=g) * (1 + r) for r in range(world)]
     res0 = [None if residual_dtype is None else (torch.randn(n, generator=g) * 0.1).to(
@@ -536,8 +538,8 @@ def test_int8_host_slices_bit_identical_to_one_pass(monkeypatch, world, n, resid
         rs = [None if r is None else r.clone() for r in res0]
         return run_ranks(world, lambda r, c: (fn(xs[r], c, rs[r]), rs[r]))
 
-    # step None: one call of each kernel over the whole tensor (the device path)
-    whole = run(lambda x, c, r: mod._reduce_slice(x, c, 64, r, True, torch.empty(n)))
+    # one call of each kernel over the whole tensor (the device path)
+    whole = run(lambda x, c, r: mod._reduce_direct(x, c, 64, r, True, torch.empty(n)))
     sliced = run(lambda x, c, r: int8_allreduce(x, c, block=64, residual=r))
     for (a, ra), (b, rb) in zip(whole, sliced):
         assert torch.equal(a.out, b.out) and a.wire_bytes == b.wire_bytes
@@ -612,7 +614,7 @@ def test_int8_device_path_in_place_all_gather_and_nonfinite(coll):
 
     coll.all_gather_into_tensor = spy
     a = mod._reduce_direct(x, coll, 32, None, True, torch.empty(1000))
-    b = mod._reduce_slice(x, coll, 32, None, True, torch.empty(1000))
+    b = int8_allreduce(x, coll, block=32)
     assert torch.equal(a.out, b.out) and bool(a.finite)
     assert seen[0] == coll.rank * input_row_bytes(1000, 32, coll.world_size)
     x[7] = float("nan")

@@ -8,7 +8,8 @@ resident set of one hook call over the resident set before it, in a fresh proces
 allocator returns every large block (glibc ``MALLOC_MMAP_THRESHOLD_``), measured with the
 kernel's high-water mark (``/proc/self/clear_refs`` 5, then ``VmHWM``). On b1174c6 this was
 about 54 MiB (6.7x the bucket); with one pass of each kernel over the whole bucket 6.7 MiB;
-in slices 1.9-2.05 MiB against the bound of 2.17 MiB. GPU:
+in slices 1.9-2.05 MiB against the bound of 2.17 MiB; with the references writing into the
+send and all-gather buffers, 1.6-1.8 MiB. GPU:
 ``torch.cuda.max_memory_allocated`` around a call minus the allocation before it.
 """
 

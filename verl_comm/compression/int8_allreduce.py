@@ -81,18 +81,15 @@ def ring_allreduce_wire_bytes(numel: int, world_size: int, element_size: int) ->
 
 HOST_SLICES = 4
 """CPU: the all-reduce runs in about this many slices (2 collectives each), so its send and
-receive buffers hold a quarter of the bucket's codes + scales each. Each slice's kernel
-calls cover a quarter of it, which bounds the fp32 work of the torch references (about two
-fp32 buffers of a call's size are alive). Peak transient memory, slice S and call of P
-elements: about max(2 S, S + 8 P, 1.5 S + 8 P) bytes = 0.875 x codes + scales; the bound is
-1.05 x (tests/verl_comm/test_int8_memory.py). The number of calls stays the same whatever
-the bucket size. Process time against one pass of each kernel, 8 MiB and 16 MiB fp32
-buckets at W = 2 on a shared 2-core machine: 1.0-1.15x (medians of 40 interleaved calls);
-calls of a fixed 64 K elements cost 1.6x (the references' per-call dispatch)."""
+receive buffers hold a quarter of the bucket's codes + scales each; each slice is the path
+of the device (:func:`_reduce_direct`: the references write straight into the send and
+all-gather buffers), whose references work in chunks of at most a quarter of their input
+(``kernels/reference.py``, ``CHUNK_BLOCKS``: two fp32 work buffers). Peak transient memory
+with slices of S bytes of codes + scales: about 3 S = 0.75 x codes + scales (the send
+buffer and the quantize's work; then the receive and all-gather buffers and the owner's
+work); the bound is 1.05 x (tests/verl_comm/test_int8_memory.py)."""
 HOST_MIN_SLICE_BYTES = 1 << 18
 """CPU: smallest slice (bytes of codes + scales); smaller buckets run in fewer slices."""
-HOST_MIN_PASS_NUMEL = 1 << 16
-"""CPU: smallest kernel call (elements)."""
 
 
 def int8_allreduce(
@@ -107,10 +104,10 @@ def int8_allreduce(
     """Sum (or average) a flat tensor over the ranks of ``coll`` with int8 on the wire.
 
     On the CPU the tensor is reduced in about :data:`HOST_SLICES` slices, each starting at a
-    multiple of ``W * block`` elements, with kernel calls of a quarter of a slice: the
-    transient host memory stays within one copy of the codes and scales (issue 28: 8 MiB
-    fp32 bucket at W = 2). Blocks are independent and keep their positions, so the result
-    and the bytes sent are the same bit for bit as one pass (more collectives: 2 per slice).
+    multiple of ``W * block`` elements: the transient host memory stays within one copy of
+    the codes and scales (issue 28: 8 MiB fp32 bucket at W = 2). Blocks are independent and
+    keep their positions, so the result and the bytes sent are the same bit for bit as one
+    pass (more collectives: 2 per slice).
 
     Args:
         x: contiguous ``(N,)`` fp32/bf16/fp16 tensor, this rank's contribution.
@@ -141,85 +138,14 @@ def int8_allreduce(
     total = packed_nbytes(padded_numel(n, block, multiple=w), block)
     slice_bytes = max(HOST_MIN_SLICE_BYTES, -(-total // HOST_SLICES))
     per = max(unit, -(-slice_bytes // packed_nbytes(unit, block)) * unit)
-    step = max(block, max(HOST_MIN_PASS_NUMEL, per // HOST_SLICES) // block * block)
     sent, finite = 0, torch.ones((), dtype=torch.bool)
     for lo in range(0, n, per):
         hi = min(lo + per, n)
         res = None if residual is None else residual.view(-1)[lo:hi]
-        r = _reduce_slice(x[lo:hi], coll, block, res, average, out[lo:hi], step)
+        r = _reduce_direct(x[lo:hi], coll, block, res, average, out[lo:hi])
         sent += r.wire_bytes
         finite = finite & r.finite
     return ReduceResult(out, sent, finite)
-
-
-def _reduce_slice(
-    x: torch.Tensor,
-    coll: Collective,
-    block: int,
-    residual: torch.Tensor | None,
-    average: bool,
-    out: torch.Tensor,
-    step: int | None = None,
-) -> ReduceResult:
-    """The two-step int8 all-reduce of ``x`` into ``out``, every kernel call on at most
-    ``step`` elements (a multiple of ``block``; None: one call per kernel), the host path;
-    each call's codes and scales are copied into the send and all-gather buffers (the device
-    path, :func:`_reduce_direct`, has the kernels write there). Blocks keep their positions,
-    so the bits do not depend on ``step``.
-
-    Transient memory (issue 18): the quantized codes and scales of a call exist beside the
-    send buffer until they are copied into it, and the owner's results are packed after
-    the receive buffer is dropped, so at most the send and receive buffers (2 x the codes
-    and scales) are alive at once; the references and kernels keep their fp32 work to a
-    few chunks.
-    """
-    n = x.numel()
-    w = coll.world_size
-    n_pad = padded_numel(n, block, multiple=w)
-    m = n_pad // w
-    step = n_pad if step is None else step
-    sent0 = coll.bytes_sent
-    send = torch.empty(w, packed_nbytes(m, block), dtype=torch.uint8, device=x.device)
-    codes, scales = unpack(send, block)
-    for lo in range(0, n_pad, step):
-        hi = min(lo + step, n_pad)
-        end = max(min(hi, n), lo)
-        if residual is None:
-            c, s = quantize(x[lo:end], block, pad_to=hi - lo)
-        else:  # residual in x's dtype, fp32, or bf16 for fp32 x: updated in place
-            c, s = quantize_ef(x[lo:end], residual[lo:end], block, pad_to=hi - lo)
-        _put(codes, scales, lo, c, s, m, block)
-        del c, s
-    recv = torch.empty_like(send)
-    coll.all_to_all_single(recv.view(-1), send.view(-1))
-    del send, codes, scales
-    rc, rs = unpack(recv, block)
-    spans = [(lo, min(lo + step, m)) for lo in range(0, m, step)]
-    parts = [
-        dequant_sum_requant(rc[:, a:b], rs[:, a // block : b // block], block) for a, b in spans
-    ]
-    del recv, rc, rs
-    mine = torch.empty(packed_nbytes(m, block), dtype=torch.uint8, device=x.device)
-    mc, ms = unpack(mine, block)
-    for (a, b), (c, s) in zip(spans, parts):
-        mc[a:b], ms[a // block : b // block] = c, s
-    del parts
-    gathered = torch.empty(w, mine.numel(), dtype=torch.uint8, device=x.device)
-    coll.all_gather_into_tensor(gathered.view(-1), mine)
-    del mine, mc, ms
-    g_codes, g_scales = unpack(gathered, block)
-    scale = 1.0 / w if average else 1.0
-    rows, span = max(1, step // m), min(step, m)  # a call: whole rows, or part of one row
-    for r in range(0, w, rows):
-        r_end = min(r + rows, w)
-        for lo in range(0, m, span):
-            hi = min(lo + span, m)
-            a, b = r * m + lo, min((r_end - 1) * m + hi, n)
-            if b > a:
-                dequantize(g_codes[r:r_end, lo:hi], g_scales[r:r_end, lo // block : hi // block],
-                           block, scale=scale, numel=b - a, out=out[a:b])  # fmt: skip
-    finite = torch.isfinite(g_scales).all()
-    return ReduceResult(out, coll.bytes_sent - sent0, finite)
 
 
 def _reduce_direct(
@@ -232,7 +158,7 @@ def _reduce_direct(
     backend: str = "auto",
 ) -> ReduceResult:
     """The two-step int8 all-reduce of ``x`` (``(N,)``) into ``out`` in one pass: the device
-    path, with the same bits and bytes sent as :func:`_reduce_slice` at any W.
+    path, and each slice of the host path (the same bits and bytes sent at any W).
 
     Each kernel writes where the next step reads, so nothing is copied between them
     (issue 28): ``quantize_ef`` writes the codes and scales of row w straight into row w
@@ -240,8 +166,9 @@ def _reduce_direct(
     this rank's row of the all-gather buffer, which the all-gather then uses in place as
     its input (NCCL's in-place form: input at ``output + rank * L``), and in the same pass
     this rank's chunk of ``out`` (dequantized there, not read back: at W = 1 all of it);
-    ``dequantize`` reads the other ranks' gathered rows into the rest of ``out``. Memory: send + receive (2 x codes + scales) during the
-    all-to-all, then receive + gathered, as before. ``backend`` is the launchers' (tests run
+    ``dequantize`` reads the other ranks' gathered rows into the rest of ``out``. Memory:
+    send + receive (2 x codes + scales) during the all-to-all, then receive + gathered.
+    ``backend`` is the launchers' (tests run
     the Triton kernels on CPU tensors with ``"triton"``).
     """
     n = x.numel()
@@ -278,25 +205,6 @@ def _reduce_direct(
                    numel=n - hi, out=out[hi:], backend=backend)  # fmt: skip
     finite = torch.isfinite(g_scales).all()
     return ReduceResult(out, coll.bytes_sent - sent0, finite)
-
-
-def _put(codes, scales, lo: int, c: torch.Tensor, s: torch.Tensor, m: int, block: int) -> None:
-    """Write the codes ``c`` and scales ``s`` of flat elements ``[lo, lo + len(c))`` into
-    the per-rank rows (``(W, M)`` codes, ``(W, M / B)`` scales) of a packed send buffer:
-    whole rows with one copy of codes and one of scales, parts of a row one at a time."""
-    k = 0
-    while k < c.numel():
-        r, col = divmod(lo + k, m)
-        rows = (c.numel() - k) // m if col == 0 else 0
-        if rows:
-            take = rows * m
-            codes[r : r + rows] = c[k : k + take].view(rows, m)
-            scales[r : r + rows] = s[k // block : (k + take) // block].view(rows, m // block)
-        else:
-            take = min(c.numel() - k, m - col)
-            codes[r, col : col + take] = c[k : k + take]
-            scales[r, col // block : (col + take) // block] = s[k // block : (k + take) // block]
-        k += take
 
 
 def cast_allreduce(
