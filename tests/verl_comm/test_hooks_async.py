@@ -32,10 +32,11 @@ W2 = [
     "count",
     "state_dict_in_flight",
     "direct_bits",
+    "int8_pipeline",
     *(f"unused_residual:method={m}" for m in METHODS),
     "failure:method=int8",  # last: its process group is broken afterwards
 ]
-W3 = ["many_steps:method=int8", "failure:method=int8"]
+W3 = ["many_steps:method=int8", "int8_pipeline", "failure:method=int8"]
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +120,19 @@ def test_cast_hooks_direct_path_bit_exact(session):
         assert all(r["equal"].values()), r["equal"]
         assert not any(r["worker"].values()), r["worker"]
         assert set(r["iteration"].values()) == {1}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+def test_int8_host_pipeline_bit_exact(session, world):
+    """int8's pipelined host path on gloo (collectives started asynchronously, several
+    slices in flight) gives the bits, residual and bytes of one blocking pass (issue 28)."""
+    from verl_comm.compression.int8_allreduce import HOST_SLICES
+
+    for r in _res(session(world), "int8_pipeline"):
+        assert r["equal"] and r["finite"], r
+        assert r["bytes"][0] == r["bytes"][1] > 0, r
+        assert r["started"] >= 2 * (HOST_SLICES - 1), r  # two collectives a slice
 
 
 @pytest.mark.timeout(600)

@@ -431,7 +431,51 @@ def scenario_direct_bits(rank, world, tmp):
     return out
 
 
+def scenario_int8_pipeline(rank, world, tmp):
+    """int8's host path over gloo (asynchronous all-to-alls and all-gathers, several slices
+    in flight, issue 28) against the same all-reduce with every collective blocking, one
+    slice at a time: whether out, residual and bytes sent are equal bit for bit, the number
+    of collectives each started asynchronously, and the slices."""
+    import importlib
+
+    from verl_comm.compression.collective import ProcessGroupCollective
+
+    mod = importlib.import_module("verl_comm.compression.int8_allreduce")  # not the function
+
+    class Counting(ProcessGroupCollective):
+        started = 0
+
+        def start_all_to_all_single(self, output, input):
+            self.started += 1
+            return super().start_all_to_all_single(output, input)
+
+        def start_all_gather_into_tensor(self, output, input):
+            self.started += 1
+            return super().start_all_gather_into_tensor(output, input)
+
+    n = 50_001
+    g = torch.Generator().manual_seed(31 * rank + 5)
+    x = torch.randn(n, generator=g) * (1 + rank)
+    r0 = (torch.randn(n, generator=g) * 0.1).bfloat16()
+    old = mod.HOST_MIN_SLICE_BYTES
+    mod.HOST_MIN_SLICE_BYTES = 4096  # HOST_SLICES slices at this n
+    try:
+        coll, ra = Counting(None), r0.clone()
+        a = mod.int8_allreduce(x, coll, block=64, residual=ra)
+        rb = r0.clone()
+        b = mod._reduce_direct(x, ProcessGroupCollective(None), 64, rb, True, torch.empty(n))
+    finally:
+        mod.HOST_MIN_SLICE_BYTES = old
+    return {
+        "equal": bool(torch.equal(a.out, b.out)) and bool(torch.equal(ra, rb)),
+        "bytes": [a.wire_bytes, b.wire_bytes],
+        "started": coll.started,
+        "finite": bool(a.finite),
+    }
+
+
 SCENARIOS = {
+    "int8_pipeline": scenario_int8_pipeline,
     "direct_bits": scenario_direct_bits,
     "auto_measure": scenario_auto_measure,
     "many_steps": scenario_many_steps,

@@ -1,8 +1,10 @@
 """Collectives passed into the compression algorithms (the transport, kept apart).
 
 The algorithms in :mod:`verl_comm.compression` never call ``torch.distributed``; they take a
-:class:`Collective`. Every call is *blocking in the caller's body* (start and wait): on gloo,
-starting or waiting on collectives inside a ``Future.then`` callback deadlocks (torch's
+:class:`Collective`. Every collective is started and waited on *in the caller's body*:
+blocking calls, or (int8's host path, :func:`begin`) started there and waited on later in
+the same body, never in a callback. On gloo, starting or waiting on collectives inside a
+``Future.then`` callback deadlocks (torch's
 ``powerSGD_hook`` hung that way on gloo; see ``docs/ARCHITECTURE.md``, DDP comm hooks), so
 the hooks run their collectives in the hook body. On NCCL a blocking call only makes the
 current CUDA stream wait on NCCL's stream; the hooks run on a side stream so that backward
@@ -56,11 +58,40 @@ class Collective(Protocol):
         """Element-wise max over ranks in place (used to agree on measurements)."""
 
 
+class Work(Protocol):
+    """A started collective (``torch.distributed``'s ``Work``): ``wait()`` blocks until it
+    is done and raises what it raised."""
+
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """The :class:`Work` of a collective that already ran (blocking)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def begin(coll: Collective, op: str, output: torch.Tensor, input: torch.Tensor,
+          wait: bool = False) -> Work:  # fmt: skip
+    """Start collective ``op`` (``"all_to_all_single"`` or ``"all_gather_into_tensor"``)
+    of ``coll``: its ``start_<op>`` where it has one and ``wait`` is False (asynchronous;
+    call ``wait()`` on the result before reading ``output`` or reusing ``input``), else the
+    blocking call, then a :class:`Work` that is already done. Collectives must still be
+    started in the same order on every rank."""
+    start = None if wait else getattr(coll, f"start_{op}", None)
+    if start is not None:
+        return start(output, input)
+    getattr(coll, op)(output, input)
+    return _Done()
+
+
 class ProcessGroupCollective:
     """:class:`Collective` over a ``torch.distributed`` process group (None = WORLD).
 
-    Calls are issued with ``async_op=False``. Raises whatever ``torch.distributed`` raises
-    (e.g. a timeout set at ``init_process_group``).
+    Calls are issued with ``async_op=False``; the ``start_*`` variants with ``async_op=True``
+    (see :func:`begin`). Raises whatever ``torch.distributed`` raises (e.g. a timeout set
+    at ``init_process_group``).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -87,6 +118,17 @@ class ProcessGroupCollective:
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self.bytes_sent += (self.world_size - 1) * nbytes(input)
         dist.all_gather_into_tensor(output, input, group=self.group)
+
+    def start_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """:meth:`all_to_all_single` started (``async_op=True``); wait on the result."""
+        w = self.world_size
+        self.bytes_sent += (w - 1) * nbytes(input) // w
+        return dist.all_to_all_single(output, input, group=self.group, async_op=True)
+
+    def start_all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """:meth:`all_gather_into_tensor` started (``async_op=True``); wait on the result."""
+        self.bytes_sent += (self.world_size - 1) * nbytes(input)
+        return dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
 
 
 class LocalCollective:

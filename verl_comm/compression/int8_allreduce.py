@@ -41,7 +41,7 @@ from verl_comm.kernels import (
     unpack,
 )
 
-from .collective import Collective
+from .collective import Collective, begin
 
 
 @dataclass
@@ -79,15 +79,15 @@ def ring_allreduce_wire_bytes(numel: int, world_size: int, element_size: int) ->
     return 2 * (world_size - 1) * numel * element_size // world_size
 
 
-HOST_SLICES = 4
-"""CPU: the all-reduce runs in about this many slices (2 collectives each), so its send and
-receive buffers hold a quarter of the bucket's codes + scales each; each slice is the path
-of the device (:func:`_reduce_direct`: the references write straight into the send and
-all-gather buffers), whose references work in chunks of at most a quarter of their input
-(``kernels/reference.py``, ``CHUNK_BLOCKS``: two fp32 work buffers). Peak transient memory
-with slices of S bytes of codes + scales: about 3 S = 0.75 x codes + scales (the send
-buffer and the quantize's work; then the receive and all-gather buffers and the owner's
-work); the bound is 1.05 x (tests/verl_comm/test_int8_memory.py)."""
+HOST_SLICES = 8
+"""CPU: the all-reduce runs in about this many slices (2 collectives each), pipelined
+(:func:`_reduce_host`), so its buffers hold an eighth of the bucket's codes + scales each.
+Each slice is the path of the device (the references write straight into the send and
+all-gather buffers) and the references work in chunks of at most a quarter of their input
+(``kernels/reference.py``, ``CHUNK_BLOCKS``: two fp32 work buffers, about 2 slices). Peak
+transient memory with slices of S bytes of codes + scales: about 7 S = 0.875 x codes +
+scales (two slices' send and receive buffers, one all-gather buffer, the quantize's work);
+the bound is 1.05 x (tests/verl_comm/test_int8_memory.py)."""
 HOST_MIN_SLICE_BYTES = 1 << 18
 """CPU: smallest slice (bytes of codes + scales); smaller buckets run in fewer slices."""
 
@@ -104,8 +104,9 @@ def int8_allreduce(
     """Sum (or average) a flat tensor over the ranks of ``coll`` with int8 on the wire.
 
     On the CPU the tensor is reduced in about :data:`HOST_SLICES` slices, each starting at a
-    multiple of ``W * block`` elements: the transient host memory stays within one copy of
-    the codes and scales (issue 28: 8 MiB fp32 bucket at W = 2). Blocks are independent and
+    multiple of ``W * block`` elements, pipelined (one slice on the link while the next is
+    computed): the transient host memory stays within one copy of the codes and scales
+    (issue 28: 8 MiB fp32 bucket at W = 2). Blocks are independent and
     keep their positions, so the result and the bytes sent are the same bit for bit as one
     pass (more collectives: 2 per slice).
 
@@ -138,14 +139,8 @@ def int8_allreduce(
     total = packed_nbytes(padded_numel(n, block, multiple=w), block)
     slice_bytes = max(HOST_MIN_SLICE_BYTES, -(-total // HOST_SLICES))
     per = max(unit, -(-slice_bytes // packed_nbytes(unit, block)) * unit)
-    sent, finite = 0, torch.ones((), dtype=torch.bool)
-    for lo in range(0, n, per):
-        hi = min(lo + per, n)
-        res = None if residual is None else residual.view(-1)[lo:hi]
-        r = _reduce_direct(x[lo:hi], coll, block, res, average, out[lo:hi])
-        sent += r.wire_bytes
-        finite = finite & r.finite
-    return ReduceResult(out, sent, finite)
+    res = None if residual is None else residual.view(-1)
+    return _reduce_host(x, coll, block, res, average, out, per)
 
 
 def _reduce_direct(
@@ -158,7 +153,7 @@ def _reduce_direct(
     backend: str = "auto",
 ) -> ReduceResult:
     """The two-step int8 all-reduce of ``x`` (``(N,)``) into ``out`` in one pass: the device
-    path, and each slice of the host path (the same bits and bytes sent at any W).
+    path, with the same bits and bytes sent as the pipelined slices of the host path.
 
     Each kernel writes where the next step reads, so nothing is copied between them
     (issue 28): ``quantize_ef`` writes the codes and scales of row w straight into row w
@@ -168,43 +163,114 @@ def _reduce_direct(
     this rank's chunk of ``out`` (dequantized there, not read back: at W = 1 all of it);
     ``dequantize`` reads the other ranks' gathered rows into the rest of ``out``. Memory:
     send + receive (2 x codes + scales) during the all-to-all, then receive + gathered.
-    ``backend`` is the launchers' (tests run
-    the Triton kernels on CPU tensors with ``"triton"``).
+    Collectives are blocking calls (on CUDA: captured into the bucket's graph). ``backend``
+    is the launchers' (tests run the Triton kernels on CPU tensors with ``"triton"``).
+    """
+    sent0 = coll.bytes_sent
+    scale = 1.0 / coll.world_size if average else 1.0
+    send, recv, _ = _quantize_send(x, coll, block, residual, backend, wait=True)
+    del send
+    gathered, _ = _owner(coll, block, recv, out, scale, backend, wait=True)
+    del recv
+    finite = _dequantize_gathered(coll, block, gathered, out, scale, backend)
+    return ReduceResult(out, coll.bytes_sent - sent0, finite)
+
+
+def _reduce_host(
+    x: torch.Tensor,
+    coll: Collective,
+    block: int,
+    residual: torch.Tensor | None,
+    average: bool,
+    out: torch.Tensor,
+    per: int,
+) -> ReduceResult:
+    """The host path: slices of ``per`` elements, each the steps of :func:`_reduce_direct`,
+    software-pipelined on the calling thread with asynchronous collectives (issue 28).
+
+    Round k quantizes slice k and starts its all-to-all, then finishes the all-to-all of
+    slice k - 1 (owner step, start of its all-gather), then the all-gather of slice k - 2
+    (dequantize). The link carries one slice while the CPU computes the next, where a
+    blocking chain left it idle during every kernel (on the shaped 1 Gbit/s veth,
+    ``benchmarks/slow_link_trace.py``: int8's collectives reached about half the link rate
+    of torch's fp16 hook). Collectives start in the same order on every rank (A0, A1 G0,
+    A2 G1, ...). A :class:`Collective` without ``start_*`` methods runs them blocking, in
+    that order. Peak transient memory about 7 slices of codes + scales (two slices' send
+    and receive buffers, one all-gather buffer, the quantize's work); see
+    :data:`HOST_SLICES`.
     """
     n = x.numel()
-    w = coll.world_size
-    n_pad = padded_numel(n, block, multiple=w)
-    m = n_pad // w
     sent0 = coll.bytes_sent
+    scale = 1.0 / coll.world_size if average else 1.0
+    finite = torch.ones((), dtype=torch.bool)
+    spans = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
+    a2a = ag = None  # (span, buffers..., work) of the slice whose collective is in flight
+    for k in range(len(spans) + 2):
+        started = None
+        if k < len(spans):
+            lo, hi = spans[k]
+            res = None if residual is None else residual[lo:hi]
+            started = (spans[k], *_quantize_send(x[lo:hi], coll, block, res, "auto", False))
+        gathering = None
+        if a2a is not None:
+            (lo, hi), send, recv, work = a2a
+            a2a = None
+            work.wait()
+            del send
+            gathering = ((lo, hi), *_owner(coll, block, recv, out[lo:hi], scale, "auto", False))
+            del recv
+        if ag is not None:
+            (lo, hi), gathered, work = ag
+            ag = None
+            work.wait()
+            finite = finite & _dequantize_gathered(coll, block, gathered, out[lo:hi], scale, "auto")
+            del gathered
+        a2a, ag = started, gathering
+    return ReduceResult(out, coll.bytes_sent - sent0, finite)
+
+
+def _quantize_send(x, coll, block, residual, backend, wait):
+    """Quantize ``x`` (with error feedback into ``residual``) straight into the rows of a
+    packed send buffer and start the all-to-all; returns ``(send, recv, work)``."""
+    w = coll.world_size
+    m = padded_numel(x.numel(), block, multiple=w) // w
     send = torch.empty(w, packed_nbytes(m, block), dtype=torch.uint8, device=x.device)
     rows = unpack(send, block)
     if residual is None:
-        quantize(x, block, pad_to=n_pad, out=rows, backend=backend)
+        quantize(x, block, pad_to=w * m, out=rows, backend=backend)
     else:  # residual in x's dtype, fp32, or bf16 for fp32 x: updated in place
-        quantize_ef(x, residual, block, pad_to=n_pad, out=rows, backend=backend)
+        quantize_ef(x, residual, block, pad_to=w * m, out=rows, backend=backend)
     recv = torch.empty_like(send)
-    coll.all_to_all_single(recv.view(-1), send.view(-1))
-    del send, rows
+    return send, recv, begin(coll, "all_to_all_single", recv.view(-1), send.view(-1), wait)
+
+
+def _owner(coll, block, recv, out, scale, backend, wait):
+    """The owner step on a received ``(W, L)`` buffer: requantized codes into this rank's
+    row of a new all-gather buffer, its dequantized values into this rank's chunk of
+    ``out`` (the same pass); start the all-gather. Returns ``(gathered, work)``."""
     gathered = torch.empty_like(recv)
     mine = gathered[coll.rank]
     rc, rs = unpack(recv, block)
-    scale = 1.0 / w if average else 1.0
-    # the owner's chunk of the result comes out of the same pass (its codes are not read
-    # back); the other ranks' chunks are dequantized after the all-gather
+    m, n = rc.shape[1], out.numel()
     lo, hi = min(coll.rank * m, n), min((coll.rank + 1) * m, n)
     dequant_sum_requant(rc, rs, block, out=unpack(mine, block), dequant_out=out[lo:hi],
                         dequant_scale=scale, backend=backend)  # fmt: skip
-    del recv, rc, rs
-    coll.all_gather_into_tensor(gathered.view(-1), mine)
+    return gathered, begin(coll, "all_gather_into_tensor", gathered.view(-1), mine, wait)
+
+
+def _dequantize_gathered(coll, block, gathered, out, scale, backend) -> torch.Tensor:
+    """The other ranks' gathered rows into the rest of ``out``; returns the finite flag
+    (every gathered scale finite)."""
     g_codes, g_scales = unpack(gathered, block)
+    m, n = g_codes.shape[1], out.numel()
+    lo, hi = min(coll.rank * m, n), min((coll.rank + 1) * m, n)
     if lo > 0:
         dequantize(g_codes[: coll.rank], g_scales[: coll.rank], block, scale=scale,
                    numel=lo, out=out[:lo], backend=backend)  # fmt: skip
     if hi < n:
         dequantize(g_codes[coll.rank + 1 :], g_scales[coll.rank + 1 :], block, scale=scale,
                    numel=n - hi, out=out[hi:], backend=backend)  # fmt: skip
-    finite = torch.isfinite(g_scales).all()
-    return ReduceResult(out, coll.bytes_sent - sent0, finite)
+    return torch.isfinite(g_scales).all()
 
 
 def cast_allreduce(
