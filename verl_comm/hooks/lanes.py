@@ -20,9 +20,14 @@ from .state import BucketState, CommHookState
 
 COMPRESSING = ("fp16", "bf16", "int8", "lowrank_int8")
 
-LANES = 2
-"""Worker lanes on gloo: as many collectives in flight as gloo's default of two threads per
-process group lets torch's async hooks have (``benchmarks/slow_link_trace.py`` shows why)."""
+LANES = 4
+"""Worker lanes on gloo. Two matched the two collectives in flight that gloo's default of
+two threads per process group gives torch's async hooks; with int8's pipelined slices
+(``compression/int8_allreduce.py``) a lane has up to two collectives in flight itself, and
+a later bucket no longer waits for the lane of the bucket two before it. Per-bucket trace
+on the shaped 1 Gbit/s veth (``TRACE=1 METHODS=torch_fp16,ours_int8@2,ours_int8@4
+benchmarks/slow_link_hooks.sh``, 8 steps each, medians): int8 612 ms with 2 lanes, 582 ms
+with 4, torch fp16 625 ms."""
 
 
 def bucket_keys(state: CommHookState, buf: torch.Tensor, shapes: tuple, method: str):
