@@ -500,6 +500,27 @@ def test_choose_method_takes_the_chain_that_ends_first():
     assert d.options["bf16"] - d.options["int8"] < 0.05 * d.t_plain_s and d.method == "bf16"
 
 
+def test_choose_method_pipelined_chain_overlaps_its_compute():
+    """PathCost.lead_s (int8's pipelined host path): the chain takes lead + max(link,
+    compute - lead), not link + compute. The measurement step on the shaped 1 Gbit/s veth
+    (run c76c99e593d3, ms): bucket 0 ready 232 ms before the end of backward, int8 129 ms of
+    compute and 74 of link, low rank r8 170 and ~15; summed, low rank ends first (the
+    choice that run made, with low rank the slowest fixed method); overlapped, int8 does."""
+    from verl_comm.compression.policy import LinkModel, PathCost, choose_method
+
+    plain = 33_600_000
+    link = LinkModel(alpha_s=2.5e-3, beta_s_per_byte=8.5e-9, world_size=2)
+    t_int8 = link.time_s(plain // 4, 2)
+    serial = {"int8": PathCost(plain // 4, 2, 0.129), "lowrank_int8": PathCost(168_000, 6, 0.170)}
+    piped = dict(serial, int8=PathCost(plain // 4, 2, 0.129, lead_s=0.129 / 8))
+    kw = dict(plain_bytes=plain, shadow_s=0.232, link_free_s=float("-inf"))
+    assert choose_method(link, options=serial, **kw).method == "lowrank_int8"
+    d = choose_method(link, options=piped, **kw)
+    assert d.method == "int8"
+    assert abs(d.options["int8"] - (-0.232 + 0.129 / 8 + max(t_int8, 0.129 * 7 / 8))) < 1e-9
+    assert piped["int8"].chain_s(1.0) == 0.129 / 8 + 1.0  # link-bound: compute hidden
+
+
 def test_describe_choices_names_each_bucket_path_and_the_link():
     from types import SimpleNamespace
 

@@ -135,12 +135,18 @@ def int8_allreduce(
     if x.is_cuda:  # device memory: one pass, fewest launches (captured as a CUDA graph)
         res = None if residual is None else residual.view(-1)
         return _reduce_direct(x, coll, block, res, average, out)
-    unit = w * block
-    total = packed_nbytes(padded_numel(n, block, multiple=w), block)
-    slice_bytes = max(HOST_MIN_SLICE_BYTES, -(-total // HOST_SLICES))
-    per = max(unit, -(-slice_bytes // packed_nbytes(unit, block)) * unit)
     res = None if residual is None else residual.view(-1)
-    return _reduce_host(x, coll, block, res, average, out, per)
+    return _reduce_host(x, coll, block, res, average, out, host_slice_numel(n, w, block))
+
+
+def host_slice_numel(n: int, world_size: int, block: int = 128) -> int:
+    """Elements per slice of the host path for ``n`` elements at W = ``world_size`` (a
+    multiple of ``W * block``): about :data:`HOST_SLICES` slices, none under
+    :data:`HOST_MIN_SLICE_BYTES` of codes + scales; ``ceil(n / result)`` slices."""
+    unit = world_size * block
+    total = packed_nbytes(padded_numel(n, block, multiple=world_size), block)
+    slice_bytes = max(HOST_MIN_SLICE_BYTES, -(-total // HOST_SLICES))
+    return max(unit, -(-slice_bytes // packed_nbytes(unit, block)) * unit)
 
 
 def _reduce_direct(

@@ -241,11 +241,22 @@ class PathCost:
     Attributes:
         wire_bytes: bytes one rank sends. collectives: collective calls.
         compute_s: its compute, timed without the link (max over ranks).
+        lead_s: None when the chain computes, then transfers (its time is link + compute);
+            else the compute before its first transfer, the rest overlapping the link
+            (int8's pipelined host path: one slice's share; its time is ``lead_s +
+            max(link, compute_s - lead_s)``).
     """
 
     wire_bytes: int
     collectives: int
     compute_s: float
+    lead_s: float | None = None
+
+    def chain_s(self, link_s: float) -> float:
+        """Seconds of the chain whose transfers take ``link_s``."""
+        if self.lead_s is None:
+            return link_s + self.compute_s
+        return self.lead_s + max(link_s, self.compute_s - self.lead_s)
 
 
 def choose_method(
@@ -262,7 +273,7 @@ def choose_method(
     The timeline of :func:`decide_overlap`: chains run one after the other from when the
     bucket is ready (``shadow_s`` before the end of backward) or the link is free
     (``link_free_s``), whichever is later; a path's chain takes
-    ``link.time_s(wire_bytes, collectives) + compute_s``. The path whose chain ends first
+    :meth:`PathCost.chain_s` of ``link.time_s(wire_bytes, collectives)``. The path whose chain ends first
     wins; a path ending within ``margin`` of the plain all-reduce's own time of the best is
     as good, and then the more precise one wins (the plain all-reduce first, then
     ``options`` in their order, which the caller gives from most to least precise). A
@@ -277,7 +288,7 @@ def choose_method(
     start = max(-shadow_s, link_free_s)
     ends = {"allreduce": start + t_plain}
     for name, c in options.items():
-        ends[name] = start + link.time_s(c.wire_bytes, c.collectives) + c.compute_s
+        ends[name] = start + c.chain_s(link.time_s(c.wire_bytes, c.collectives))
     best = min(ends.values())
     if ends["allreduce"] <= 0.0:
         chosen = "allreduce"

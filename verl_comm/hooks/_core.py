@@ -47,6 +47,7 @@ from verl_comm.compression.collective import (
 )
 from verl_comm.compression.int8_allreduce import (
     cast_allreduce,
+    host_slice_numel,
     int8_allreduce,
     int8_allreduce_wire_bytes,
     ring_allreduce_wire_bytes,
@@ -305,7 +306,10 @@ def policy_decision(
     options = {}
     for m, c in zip(names, compute_s):
         wire, calls = compressed_wire(state, bs, m, buf, w)
-        options[m] = PathCost(wire, calls, c)
+        lead = None
+        if m == "int8" and buf.device.type == "cpu" and w > 1:  # pipelined host slices
+            lead = c / -(-buf.numel() // host_slice_numel(buf.numel(), w, state.config.quant_block))
+        options[m] = PathCost(wire, calls, c, lead)
     if index == 0:
         state._link_free_s = float("-inf")
     d = bs.decision = choose_method(
