@@ -272,10 +272,10 @@ def choose_method(
 
     The timeline of :func:`decide_overlap`: chains run one after the other from when the
     bucket is ready (``shadow_s`` before the end of backward) or the link is free
-    (``link_free_s``), whichever is later; a path's chain takes
-    :meth:`PathCost.chain_s` of ``link.time_s(wire_bytes, collectives)``. The path whose chain ends first
-    wins; a path ending within ``margin`` of the plain all-reduce's own time of the best is
-    as good, and then the more precise one wins (the plain all-reduce first, then
+    (``link_free_s``), whichever is later; a path's chain takes :meth:`PathCost.chain_s` of
+    ``link.time_s(wire_bytes, collectives)``. The path whose chain ends first wins; a path
+    ending within ``margin`` of the plain all-reduce's own time of the best is as good, and
+    then the more precise one wins (the plain all-reduce first, then
     ``options`` in their order, which the caller gives from most to least precise). A
     plain all-reduce that already ends in backward's shadow is kept.
 
