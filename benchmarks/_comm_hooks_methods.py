@@ -205,6 +205,7 @@ class Method:
         self.module = torch.nn.Sequential(*layers)
         self.state = None
         self.reducer = None
+        self.settle_steps = 0  # extra warm-up steps while policy auto settled its plan
         self.probe = Probe()
         self.capture = Capture()
         ids = [device.index] if device.type == "cuda" else None
@@ -230,6 +231,11 @@ class Method:
         elif cfg is not None:
             self.state = register_comm_hook(self.model, cfg)
         self.opt = torch.optim.SGD(self.module.parameters(), lr=0.0)
+
+    def settling(self) -> bool:
+        """Whether our hook state's ``policy: auto`` may still change its paths (its
+        decisions or trial steps are not done): ``CommHookState.auto_settling``."""
+        return bool(getattr(self.state, "auto_settling", False))
 
     def step(self, x: torch.Tensor) -> None:
         """zero_grad, forward (bf16 autocast on CUDA), backward, reduction, SGD step."""

@@ -223,6 +223,13 @@ def _warm_up_and_check(
     for step in range(args.warmup):  # lr 0: weights stay identical across methods
         x = _batch(args, rank, step, device)
         last = step == args.warmup - 1
+        # policy auto: its trial steps (verl_comm.hooks.trial) end before the captured round,
+        # so the timed rounds run the plan it kept; how many steps that took is recorded
+        while last and any(m.settling() for m in methods.values()):
+            for m in methods.values():
+                if m.settling():
+                    m.settle_steps += 1
+                    m.step(x)
         for m in methods.values():
             m.capture.on = last
             m.step(x)
@@ -278,9 +285,8 @@ def _time_rounds(
     for n in timed:  # policy auto: what it chose per bucket and why (the same on every rank)
         st = methods[n].state
         if getattr(getattr(st, "config", None), "policy", None) == "auto":
-            from verl_comm.compression.policy import describe_choices
-
-            extra[n]["auto_choice"] = describe_choices(st.buckets)
+            extra[n]["auto_choice"] = st.auto_note()
+            extra[n]["settle"] = methods[n].settle_steps
     return times, extra
 
 
@@ -381,7 +387,7 @@ def _records(args, transport, names, timed, checks, all_t, extras, grad_bf16, ro
             i = timed.index(n)
             per_round_max = stacked[:, i, :].max(dim=0).values.tolist()
             choice = (
-                {"auto_choice": extra[n]["auto_choice"]}
+                {"auto_choice": extra[n]["auto_choice"], "auto_settle_steps": extra[n]["settle"]}
                 if "auto_choice" in extra.get(n, {})
                 else {}
             )

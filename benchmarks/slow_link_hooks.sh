@@ -33,9 +33,9 @@ METHODS=${METHODS:-compute_only,none,torch_fp16,ours_bf16,ours_int8,ours_lowrank
 ARGS=(--cpu --transport shaped_veth --link-mbit "$MBIT" --run-id "$RUN_ID" --world "$WORLD" --layers 6 --dim 2048
       --batch 64 --loss-scale 1024 --warmup 4 --rounds "${ROUNDS:-9}" --pg-timeout-s "${PG_TIMEOUT_S:-120}" --out "$OUT")
 if [ "${TRACE:-0}" = 1 ]; then  # per-bucket timeline instead (benchmarks/slow_link_trace.py)
-  for r in 0 1; do
-    ns=$NS0 dev=$V0; [ $r = 1 ] && ns=$NS1 dev=$V1
-    ip netns exec "$ns" env RANK=$r WORLD_SIZE=2 MASTER_ADDR=$ADDR0 MASTER_PORT=29561 \
+  for r in $(seq 0 $((WORLD - 1))); do
+    ns=$NS0 dev=$V0; [ "$r" -ge $((WORLD / 2)) ] && ns=$NS1 dev=$V1
+    ip netns exec "$ns" env RANK=$r WORLD_SIZE=$WORLD MASTER_ADDR=$ADDR0 MASTER_PORT=29561 \
       GLOO_SOCKET_IFNAME="$dev" OMP_NUM_THREADS=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" \
       timeout "${ATTEMPT_S:-900}" $PY benchmarks/slow_link_trace.py --methods "${METHODS}" ${TRACE_ARGS:-} &
   done

@@ -229,15 +229,13 @@ def main() -> None:
 def _print_policy(methods: dict) -> None:
     """Rank 0: what ``policy: auto`` measured and chose per method (the shadows of its
     measurement step, ms of backward left after each bucket's hook, and its decisions)."""
-    from verl_comm.compression.policy import describe_choices
-
     for n, (_, _, st) in methods.items():
         if st is None or st.config.policy != "auto":
             continue
         marks = st._prev_marks
         shadows = {i: round(st.shadow_of(i) * 1e3, 1) for i in sorted(marks)}
         print(f"policy {n}: measurement step {getattr(st, '_measure_at', '-')}, shadow ms {shadows}; "
-              f"{describe_choices(st.buckets)}", flush=True)  # fmt: skip
+              f"{st.auto_note()}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

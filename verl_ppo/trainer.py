@@ -41,7 +41,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_comm.compression.policy import describe_choices
 from verl_comm.profiler import VerlProfiler
 from verl_comm.telemetry import CommRecorder
 from verl_ppo.algorithms import make_kl_controller
@@ -364,7 +363,8 @@ class PPOTrainer:
                 if self.step % cfg.train.log_interval == 0 or self.step == total:
                     self.tracking.log(m, step=self.step)
                 for role, h in self.grad_comm.items():
-                    note = describe_choices(getattr(h.hook_state, "buckets", {}))
+                    auto_note = getattr(h.hook_state, "auto_note", None)
+                    note = auto_note() if auto_note is not None else None
                     if note and said.get(role) != note:
                         said[role] = note
                         self.log.info("policy auto (%s): %s", role, note)

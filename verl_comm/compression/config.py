@@ -84,6 +84,15 @@ class CompressionConfig(BaseModel):
         "never lowers it (a rank is an accuracy choice): to allow rank 8, configure 8. "
         "What it chose per bucket and why is logged (logger verl_comm.hooks, INFO).",
     )
+    auto_trial_steps: int = Field(
+        3,
+        ge=0,
+        description="policy auto on a CPU host (gloo, W > 1): after deciding, run this many "
+        "steps of each candidate plan (the model's, then each path on every bucket that "
+        "may take it), time them end to end, and keep the fastest (verl_comm.hooks.trial): "
+        "the model does not see compute sharing the cores with backward. 0 keeps the "
+        "model's plan. On CUDA the model's plan is kept; setting this there is refused.",
+    )
     bucket_cap_mb: float = Field(
         25.0,
         description="Gradient bucket size in MiB (DDP's bucket_cap_mb; used by the bucketed "

@@ -68,7 +68,7 @@ from verl_comm.compression.policy import (
     time_call,
 )
 
-from . import direct, measure, resume
+from . import direct, measure, resume, trial
 from .bucket import Keep, keep_ranges
 from .graphs import run_path
 from .lanes import COMPRESSING, bucket_keys, lane_of
@@ -396,6 +396,12 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     dev = buf.device
     cuda = dev.type == "cuda"
     state.mark_ready(index, is_last, dev)
+    if state.config.policy == "auto" and state._trial_seen != state._submitted_iter:
+        state._trial_seen = state._submitted_iter  # the step's first hook call
+        if cuda or not _uses_worker(state, dev):
+            trial.refuse_explicit(state.config, dev)
+        else:
+            trial.at_step_start(state, state.collective, dev)
     pids = resume.param_ids(state, bucket)
     if not cuda and resume.should_hold(state, index, pids, (buf.numel(), str(buf.dtype), shapes)):
         return resume.hold(state, buf, pids, bucket.parameters(), is_last, _reduce_bucket)
@@ -496,7 +502,7 @@ def _reduce_bucket(
         path = "allreduce"  # measured first (verl_comm.hooks.measure)
     elif auto and buf.numel():
         d = policy_decision(state, bs, method, buf, index, coll)
-        path = d.method or (method if d.compress else "allreduce")
+        path = trial.path_of(state, index, d.method or (method if d.compress else "allreduce"))
     cuda = dev.type == "cuda"
     start_s = time.perf_counter()
     ev0 = ev1 = None

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from verl_comm.compression.collective import Collective, ProcessGroupCollective
 
+from . import trial
 from .state import BucketState, CommHookState
 
 COMPRESSING = ("fp16", "bf16", "int8", "lowrank_int8")
@@ -72,9 +73,9 @@ def lane_of(
     chosen = method
     if method in COMPRESSING and state.config.policy == "auto":
         d = None if bs is None else bs.decision
-        chosen = None if d is None else d.method or (method if d.compress else "allreduce")
-        if chosen is None:
+        if d is None:
             return 0
+        chosen = trial.path_of(state, index, d.method or (method if d.compress else "allreduce"))
     if chosen == "lowrank_int8" and not lowrank_settled(state, bs):
         return 0
     if worker.lanes < LANES:

@@ -25,9 +25,10 @@ from verl_comm.compression.collective import Collective, LocalCollective, Proces
 from verl_comm.compression.config import CompressionConfig
 from verl_comm.compression.lowrank import LowRankBucketState
 from verl_comm.compression.lowrank_plan import FactorWire, LowRankPlan
-from verl_comm.compression.policy import LinkModel, PolicyDecision
+from verl_comm.compression.policy import LinkModel, PolicyDecision, describe_choices
 from verl_comm.telemetry import CommRecorder
 
+from . import trial
 from .stats import BucketRecord, BucketStats, comm_record, pack_scalars, resolve_records, summarize
 
 logger = logging.getLogger("verl_comm.hooks")
@@ -215,6 +216,10 @@ class CommHookState:
         self._link_free_s = float("-inf")
         self._measure_at = self.config.start_iter  # policy auto: see verl_comm.hooks.measure
         self._gate: Any = None  # threading.Event of the measurement step (worker path)
+        self._trial: Any = None  # hooks.trial.Trial: policy auto's trial steps (CPU hosts)
+        self._trial_round: int | None = None
+        self._trial_seen = -1  # the _submitted_iter whose first hook call has been seen  # the _measure_at whose trial was started
+        self._last_end_s: float | None = None  # perf_counter at the last end_step
         self._held_measure: list = []  # buckets held inline on the measurement step
         self.param_keys: dict[int, int] = {}  # parameter data_ptr -> index in the DDP module
         self._held: Any = None  # hooks.resume.Held: the first step after a load
@@ -316,6 +321,22 @@ class CommHookState:
         for b in self.buckets.values():
             b.decision = None
             b.wire = None
+
+    @property
+    def auto_settling(self) -> bool:
+        """Whether ``policy: auto`` is still measuring, deciding or running its trial steps
+        (:mod:`verl_comm.hooks.trial`): its paths may change at the next step."""
+        if self.config.policy != "auto" or self.iteration < self._measure_at + 3:
+            return self.config.policy == "auto"
+        t = self._trial
+        return t is not None and t.measure_at == self._measure_at and t.chosen is None
+
+    def auto_note(self) -> str | None:
+        """What ``policy: auto`` chose per bucket and why (the model's predictions), and
+        its trial steps; None before any decision."""
+        note = describe_choices(self.buckets)
+        t = trial.describe(self._trial)
+        return note if t is None else (t if note is None else f"{note} | {t}")
 
     def ef_state_nbytes(self) -> int:
         """Bytes of error-feedback residuals and Q factors held by this rank."""
@@ -419,6 +440,7 @@ class CommHookState:
             "config": self.config.model_dump(),
             "link": None if self.link is None else asdict(self.link),
             "buckets": buckets,
+            "auto_trial": trial.saved(self._trial),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -445,6 +467,7 @@ class CommHookState:
         self.generator.set_state(sd["generator"])
         self.buckets = {}
         self.link = None
+        self._trial = self._trial_round = None
         self._resume_until = self.iteration + self.config.start_iter
         self._measure_at = self._resume_until  # buckets loaded undecided measure then
         if sd["world_size"] != self.world_size:
@@ -459,6 +482,8 @@ class CommHookState:
             return
         if sd["link"] is not None:
             self.link = LinkModel(**sd["link"])
+        self._trial = trial.restored(sd.get("auto_trial"), self._measure_at)
+        self._trial_round = None if self._trial is None else self._measure_at
         for idx, b in sd["buckets"].items():
             lr = LowRankBucketState(
                 qs=[_clone(q) for q in b["qs"]],
@@ -529,6 +554,7 @@ class CommHookState:
         pending, self._pending = self._pending, []
         it = self.iteration
         self.iteration += 1
+        trial.on_step_end(self, it)
         if not pending:
             return
         vals = pack_scalars(pending)
