@@ -110,6 +110,7 @@ def test_trial_keeps_the_fastest_plan_the_same_on_every_rank(tmp_path):
             assert path == a["plans"][a["chosen"]][idx], (it, idx, path)
     assert any(it >= stop for it, _, _ in a["paths"])  # the kept plan ran
     assert "int8" not in a["plans"][a["chosen"]].values(), a
+    assert a["ef_bytes"] == 0  # the int8 residuals of the trial were freed with the plan
     assert a["times_s"][a["names"].index("all int8")] > min(a["times_s"]) + 0.1
     assert "kept" in a["note"] and a["restored"] == (a["chosen"], a["plans"])
     assert a["settling"][stop - 1] and not a["settling"][stop]

@@ -68,6 +68,7 @@ def scenario_trial(rank, world, tmp, steps=14, slow_s=0.15):
         "chosen": t.chosen,
         "settling": settling,
         "note": state.auto_note(),
+        "ef_bytes": state.ef_state_nbytes(),
         "restored": (fresh._trial.chosen, fresh._trial.plans) if fresh._trial else None,
         "hash": hashlib.sha256(
             b"".join(p.detach().numpy().tobytes() for p in model.parameters())

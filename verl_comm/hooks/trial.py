@@ -20,7 +20,9 @@ is kept from then on (a candidate within ``MARGIN`` of it wins if it comes earli
 model's plan first). What was measured and kept is logged (logger ``verl_comm.hooks``).
 
 Error feedback stays correct across plan changes: a bucket's residual is the error not yet
-sent, kept in its state while other paths run, and added when its path runs again.
+sent, kept in its state while other paths run, and added when its path runs again. Once a
+plan is kept, the state of the paths a bucket no longer takes is freed (the EF state stays
+what the kept path holds; the error it carried, at most one step's, is not sent).
 The agreement runs in the first hook call of the step after the trials, in the caller's
 thread, when the worker is drained (nothing else is in flight on the group). Every input
 of the schedule is the iteration and the decisions, the same on every rank.
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verl_comm.compression.collective import Collective
+from verl_comm.compression.lowrank import LowRankBucketState
 
 logger = logging.getLogger("verl_comm.hooks")
 
@@ -183,6 +186,7 @@ def at_step_start(state, coll: Collective, device: torch.device) -> None:
     t.times_s = [float(v) for v in agreed.tolist()]
     best = min(t.times_s)
     t.chosen = next(k for k, v in enumerate(t.times_s) if v <= best * (1 + MARGIN))
+    _drop_unkept_state(state, t.plans[t.chosen])
     logger.info(
         "policy auto: trial steps (%d per plan, ms per step, slowest rank's median): %s; "
         "kept %s: %s",
@@ -191,6 +195,21 @@ def at_step_start(state, coll: Collective, device: torch.device) -> None:
         t.names[t.chosen],
         ", ".join(f"bucket {i} {p}" for i, p in t.plans[t.chosen].items()),
     )
+
+
+def _drop_unkept_state(state, plan: dict[int, str]) -> None:
+    """Free the error-feedback state of the paths a bucket no longer takes (an int8
+    residual, low-rank residuals and Q factors), so the state stays what the kept path
+    holds. The error those residuals carried is not sent: at most one step's compression
+    error of that path, once."""
+    for i, bs in state.buckets.items():
+        path = plan.get(i)
+        if path is None:
+            continue
+        if path != "int8":
+            bs.residual = None
+        if path != "lowrank_int8":
+            bs.lowrank = LowRankBucketState()
 
 
 def saved(t: Trial | None) -> dict | None:
