@@ -19,7 +19,7 @@ def scenario_trial(rank, world, tmp, steps=14, slow_s=0.15):
     chain sleeps ``slow_s`` on top of its work: the paths each bucket took per iteration,
     the trial as kept, a state_dict round trip of it, and a hash of the weights."""
     from verl_comm.compression import CompressionConfig
-    from verl_comm.hooks import _core, make_hook
+    from verl_comm.hooks import _core, direct, make_hook
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
@@ -35,6 +35,12 @@ def scenario_trial(rank, world, tmp, steps=14, slow_s=0.15):
         paths.append((st.iteration, buf.numel(), path))
         return real(st, bs, path, fn, buf, coll, keep)
 
+    real_direct = direct.run_direct_cast
+
+    def run_direct(st, buf, index, shapes, method, *rest):  # a step of casts: torch's order
+        paths.append((st.iteration, buf.numel(), f"direct {method}"))
+        return real_direct(st, buf, index, shapes, method, *rest)
+
     def slow_int8(*a, **k):
         time.sleep(slow_s)
         return real_int8(*a, **k)
@@ -42,6 +48,7 @@ def scenario_trial(rank, world, tmp, steps=14, slow_s=0.15):
     ddp = DDP(model, bucket_cap_mb=0.01)
     ddp.register_comm_hook(state, hook)
     _core.run_path, _core.PATHS["int8"] = run_path, slow_int8
+    direct.run_direct_cast = run_direct
     settling = []
     try:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -53,6 +60,7 @@ def scenario_trial(rank, world, tmp, steps=14, slow_s=0.15):
             settling.append(state.auto_settling)
     finally:
         _core.run_path, _core.PATHS["int8"] = real, real_int8
+        direct.run_direct_cast = real_direct
     t = state._trial
     sd = state.state_dict()
     fresh = make_hook(cfg, timeout_s=60)[1]

@@ -408,6 +408,10 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     measuring = measure.measuring(state, method in COMPRESSING and state.config.policy == "auto")
     if _uses_worker(state, dev) and direct.applies(state, method, measuring):
         return direct.run_direct_cast(state, buf, index, shapes, method, is_last, pids)
+    cast = trial.cast_plan(state) if _uses_worker(state, dev) and method in COMPRESSING else None
+    if cast is not None:  # policy auto, a step whose plan casts every bucket: torch's order
+        path = cast.get(index, "bf16" if buf.dtype == torch.float32 else "fp16")
+        return direct.run_direct_cast(state, buf, index, shapes, path, is_last, pids, False)
     if _uses_worker(state, dev):
         fut: torch.futures.Future = (
             torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()

@@ -13,10 +13,11 @@ all-reduce, the copy back in a ``Future.then`` callback on gloo's thread -- and 
 the finiteness verdict in the same pass as the copy back (``copy_finite``), the per-bucket
 record, ``nonfinite`` raise or skip, and the end of the step.
 
-Only for fixed fp16 / bf16 (policy ``auto`` changes a bucket's path: it keeps the worker,
-whose order of collectives every rank shares). Every bucket of a method takes this path, in
-DDP's bucket order on the autograd thread, so every rank issues the same collectives in the
-same order; no collective is started from a callback.
+For fixed fp16 / bf16, and under policy ``auto`` for a step whose plan casts every bucket
+(:func:`verl_comm.hooks.trial.cast_plan`: a step is all on this path or all on the worker,
+whose order of collectives every rank shares, never both). Every bucket of such a step takes
+this path, in DDP's bucket order on the autograd thread, so every rank issues the same
+collectives in the same order; no collective is started from a callback.
 """
 
 from __future__ import annotations
@@ -53,17 +54,21 @@ def run_direct_cast(
     method: str,
     is_last: bool,
     pids: tuple[int, ...] | None,
+    own_state: bool = True,
 ) -> torch.futures.Future:
     """Reduce ``buf`` (the bucket, in place) in ``method``'s wire dtype; returns the Future
     DDP waits on (its value: ``buf``; its error: :class:`NonFiniteGradientError` from the
     step's end with ``nonfinite='raise'``, or the collective's error).
+
+    ``own_state=False`` (policy ``auto``): the bucket's state (its decision, the residuals
+    of its other paths) belongs to the configured method and is left as it is.
 
     Raises:
         RuntimeError: whatever ``dist.all_reduce`` raises when starting.
     """
     cfg, coll = state.config, state.collective
     signature, meta = bucket_keys(state, buf, shapes, method)
-    if not state.resuming(index, signature, meta):
+    if own_state and not state.resuming(index, signature, meta):
         bs = state.bucket_state(index, signature, meta)
         bs.params = pids if pids is not None else bs.params
     w = coll.world_size

@@ -123,6 +123,28 @@ def path_of(state, index: int, decided: str) -> str:
     return decided if p is None else p
 
 
+def cast_plan(state) -> dict[int, str] | None:
+    """Under policy ``auto`` on the gloo worker, the current step's plan when it casts
+    every bucket (fp16 / bf16 only): those steps take torch's order
+    (:mod:`verl_comm.hooks.direct`) instead of the worker; None otherwise. The same on
+    every rank: it reads the iteration, the decisions and the agreed trial only."""
+    if state.config.policy != "auto" or state.iteration < state._measure_at + 2:
+        return None
+    t = state._trial
+    if t is not None and t.measure_at == state._measure_at:
+        if t.chosen is not None:
+            plan = t.plans[t.chosen]
+        elif t.start <= state.iteration < t.stop:
+            plan = t.plans[(state.iteration - t.start) // t.steps]
+        else:
+            return None  # the step that agrees on the trial: the worker path
+    else:
+        plan = {i: b.decision.path for i, b in state.buckets.items() if b.decision is not None}
+        if len(plan) != len(state.buckets):
+            return None
+    return plan if plan and all(p in ("fp16", "bf16") for p in plan.values()) else None
+
+
 def _build(state) -> Trial | None:
     decisions = {i: b.decision for i, b in state.buckets.items() if b.decision is not None}
     steps = state.config.auto_trial_steps
