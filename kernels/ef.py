@@ -34,19 +34,12 @@ def _same(name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def ef_add_cast(
-    m: torch.Tensor,
-    residual: torch.Tensor,
-    low_dtype: torch.dtype,
-    *,
-    update: bool = True,
-    backend: str = "auto",
+    m: torch.Tensor, residual: torch.Tensor, low_dtype: torch.dtype, *, backend: str = "auto"
 ) -> torch.Tensor:
     """``m += residual`` in place and ``m.to(low_dtype)`` in one pass.
 
     Args:
-        m: contiguous float tensor (the error-fed matrix, fp32 for low rank), updated
-            unless ``update`` is False (then only the copy of the sum is made, and
-            :func:`ef_apply` with ``add_residual`` forms the same sum again).
+        m: contiguous float tensor (the error-fed matrix, fp32 for low rank), updated.
         residual: contiguous float tensor of ``m``'s size and device (any float dtype).
         low_dtype: the dtype of the returned copy (bf16 / fp16 / fp32).
 
@@ -59,8 +52,6 @@ def ef_add_cast(
     _check("m", m)
     _same("residual", residual, m)
     if not _use_triton(m, backend):
-        if not update:
-            return (m + residual.view(m.shape)).to(low_dtype)
         m += residual.view(m.shape)
         return m.to(low_dtype)
     from .triton_kernels import _ef_add_cast_kernel
@@ -70,7 +61,7 @@ def ef_add_cast(
     with _on_device(m) as extra:
         for t0, t1, n_bound in _launches(flat.numel()):
             _ef_add_cast_kernel[(t1 - t0,)](
-                flat, r, lo, n_bound, t0, TILE=TILE, UPDATE=update, ON_GPU=m.is_cuda,
+                flat, r, lo, n_bound, t0, TILE=TILE, ON_GPU=m.is_cuda,
                 USE_INT64=flat.numel() >= _INT32_LIMIT, num_warps=WARPS, **extra,
             )  # fmt: skip
     return low
@@ -89,7 +80,6 @@ def ef_apply(
     residual: torch.Tensor | None,
     out: torch.Tensor,
     *,
-    add_residual: bool = False,
     backend: str = "auto",
     launch: tuple[int, int, int, int] | None = None,
 ) -> None:
@@ -113,9 +103,6 @@ def ef_apply(
             (no error feedback: only ``out`` is written).
         out: ``n * cols`` float elements, contiguous (fp32/bf16/fp16); may be ``m``
             itself (same memory), not a partial overlap.
-        add_residual: ``m`` holds the gradient G and ``residual`` the previous E: the
-            matrix is ``M = G + E`` (fp32 sum, as :func:`ef_add_cast`), formed per element
-            before E is overwritten.
         backend: ``auto`` | ``triton`` | ``torch`` (see :mod:`verl_comm.kernels.ops`).
         launch: ``(rows, columns, rank step, warps)`` per program (benchmark sweeps);
             default :data:`APPLY_TILE`, the rank in one step up to 128, :data:`APPLY_WARPS`.
@@ -138,11 +125,7 @@ def ef_apply(
     _same("out", out, m)
     if residual is not None:
         _same("residual", residual, m)
-    elif add_residual:
-        raise ValueError("add_residual needs the residual")
     if not _use_triton(m, backend):
-        if add_residual:
-            m = m + residual.view(n, cols)
         a = torch.mm(p.float(), q.float().mT)
         if residual is not None:
             torch.sub(m, a, out=residual.view(n, cols))
@@ -160,8 +143,7 @@ def ef_apply(
     with _on_device(m) as extra:
         _ef_apply_kernel[grid](
             p, q, m, res, out, n, cols, rank,
-            HAS_RESIDUAL=residual is not None, ADD_RESIDUAL=add_residual,
-            BF16=p.dtype == torch.bfloat16,
+            HAS_RESIDUAL=residual is not None, BF16=p.dtype == torch.bfloat16,
             BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=br, ON_GPU=m.is_cuda,
             USE_INT64=m.numel() >= _INT32_LIMIT, num_warps=warps, **extra,
         )  # fmt: skip
