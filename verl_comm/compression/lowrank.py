@@ -513,7 +513,7 @@ def _apply_fused(
             1, g.n, g.m, dtype=c.residual_dtype, device=mat.device
         )
     target = torch.empty_like(mat) if c.stats else (None if res is None else res[0])
-    ef_apply(mat, p.to(c.gdt), q.to(c.gdt), target, out)
+    ef_apply(mat, p, q, target, out, low_dtype=c.gdt)
     if c.stats:
         c.error_sq = c.error_sq + target.square().sum()
         if res is not None:
