@@ -62,9 +62,9 @@ def _reference(flat, plan, qs, residuals, rest_res):
 
 @pytest.mark.parametrize("in_place", [True, False])
 def test_host_chain_matches_per_matrix_reference(monkeypatch, in_place):
-    import verl_comm.compression.lowrank as lowrank
+    import verl_comm.compression.lowrank_host as lowrank_host
 
-    monkeypatch.setattr(lowrank, "HOST_CHUNK_NUMEL", 40 * 128)  # 128-row chunks of (700, 40)
+    monkeypatch.setattr(lowrank_host, "HOST_CHUNK_NUMEL", 40 * 128)  # 128-row chunks of (700, 40)
     plan = plan_lowrank(SHAPES, rank=4)
     assert [g.k for g in plan.groups] == [3, 2, 1]
     st = LowRankBucketState()

@@ -35,31 +35,18 @@ Conv kernels (out, in, kh, kw) are viewed as (out, in * kh * kw).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from verl_comm.kernels.ef import ef_add_cast, ef_apply
-
 from .cholqr import orthonormalize
 from .collective import Collective
-from .int8_allreduce import all_finite, int8_allreduce
-from .lowrank_plan import FactorWire, LowRankPlan, MatrixGroup, TensorSlot
+from .lowrank_apply import error_fed_matrices, finish_group
+from .lowrank_call import LowRankBucketState, LowRankCall, reduce_payload
+from .lowrank_host import finish_host, host_matrices
+from .lowrank_plan import FactorWire, LowRankPlan, TensorSlot
 
-
-@dataclass
-class LowRankBucketState:
-    """Per-bucket state of the low-rank compressor (one per rank, not shared).
-
-    Attributes:
-        qs: per group, the ``(k, m, r)`` Q of the last step (warm start), or None.
-        residuals: per group, the ``(k, n, m)`` error-feedback residual, or None.
-        rest_residual: ``(rest_numel,)`` residual of the int8-sent tensors, or None.
-    """
-
-    qs: list[torch.Tensor | None] = field(default_factory=list)
-    residuals: list[torch.Tensor | None] = field(default_factory=list)
-    rest_residual: torch.Tensor | None = None
+__all__ = ["LowRankBucketState", "LowRankResult", "lowrank_int8_allreduce", "reduce_payload"]
 
 
 @dataclass
@@ -77,41 +64,6 @@ def _gather_rest(flat: torch.Tensor, rest: Sequence[TensorSlot]) -> torch.Tensor
     if not rest:
         return flat.new_empty(0)
     return torch.cat([flat[s.offset : s.offset + s.numel] for s in rest])
-
-
-def reduce_payload(
-    x: torch.Tensor,
-    coll: Collective,
-    mode: str,
-    *,
-    block: int,
-    residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """Average flat ``x`` over the ranks in wire ``mode`` (see :data:`~verl_comm.compression.lowrank_plan.WIRE_MODES`).
-
-    ``x`` is overwritten with the average (bit-identical on every rank). ``residual`` (int8
-    mode only) carries error feedback; the one-call modes are exact (fp32, ``exact``) or lose
-    at most bf16 rounding, which the caller's error feedback captures for the factors.
-
-    Returns:
-        ``(x, bytes sent, 0-dim finite flag)``.
-    """
-    w = coll.world_size
-    if mode == "int8":
-        r = int8_allreduce(x, coll, block=block, residual=residual, out=x)
-        return x, r.wire_bytes, r.finite
-    wire = {"bf16": torch.bfloat16, "fp32": torch.float32, "exact": x.dtype}[mode]
-    if residual is not None:  # carried error is sent in full by an exact all-reduce
-        x.add_(residual.view(-1).to(x.dtype))
-        residual.zero_()
-    buf = x if wire == x.dtype else x.to(wire)
-    if w > 1:
-        buf.div_(w)
-    sent0 = coll.bytes_sent
-    coll.all_reduce(buf)
-    if buf is not x:
-        x.copy_(buf)
-    return x, coll.bytes_sent - sent0, all_finite(buf)
 
 
 def lowrank_int8_allreduce(
@@ -190,9 +142,9 @@ def lowrank_int8_allreduce(
     # Rest: read before `out` (which may alias `flat`) is written.
     rest_in = _gather_rest(c.flat, plan.rest).to(c.cdt) if plan.rest else None
     if c.work is not None:  # host: every matrix a view of the work buffer, no stacking
-        ms, skips = _host_matrices(c)
+        ms, skips = host_matrices(c)
     else:
-        ms, kept, lows = _error_fed_matrices(c)
+        ms, kept, lows = error_fed_matrices(c)
     if plan.groups:
         ps, qs, q_prevs = _power_iteration(
             c, ms, wire, warm_start, generator, None if c.work is not None else lows
@@ -200,43 +152,13 @@ def lowrank_int8_allreduce(
         lows = None
         for gi in range(len(plan.groups)):
             if c.work is not None:
-                _finish_host(c, gi, ms[gi], ps[gi], qs[gi], q_prevs[gi], skips[gi])
+                finish_host(c, gi, ms[gi], ps[gi], qs[gi], q_prevs[gi], skips[gi])
             else:
-                _finish_group(c, gi, ms[gi], ps[gi], qs[gi], q_prevs[gi], kept[gi])
+                finish_group(c, gi, ms[gi], ps[gi], qs[gi], q_prevs[gi], kept[gi])
         del ms
     if plan.rest:
         _reduce_rest(c, rest_in, wire.rest)
     return LowRankResult(c.out, c.wire_total, c.finite, c.error_sq, c.input_sq)
-
-
-@dataclass
-class _Call:
-    """One call of :func:`lowrank_int8_allreduce`: what its steps share, running totals."""
-
-    flat: torch.Tensor
-    out: torch.Tensor
-    plan: LowRankPlan
-    state: LowRankBucketState
-    coll: Collective
-    block: int
-    error_feedback: bool
-    residual_dtype: torch.dtype
-    stats: bool
-    cdt: torch.dtype
-    gdt: torch.dtype
-    in_place: bool
-    work: torch.Tensor | None
-    keep_set: set[int]
-    finite: torch.Tensor
-    error_sq: torch.Tensor | None
-    input_sq: torch.Tensor | None
-    wire_total: int = 0
-
-    def reduce(self, x: torch.Tensor, mode: str, residual: torch.Tensor | None = None) -> None:
-        """Average payload ``x`` in place (:func:`reduce_payload`); count bytes and finiteness."""
-        _, wb, ok = reduce_payload(x, self.coll, mode, block=self.block, residual=residual)
-        self.wire_total += wb
-        self.finite = self.finite & ok
 
 
 def _start(
@@ -251,7 +173,7 @@ def _start(
     stats: bool,
     keep: Sequence[tuple[int, int]],
     matmul_dtype: torch.dtype | None,
-) -> _Call:
+) -> LowRankCall:
     """Check the bucket against the plan, size the state, pick the dtypes, zero the totals."""
     if flat.numel() != plan.numel:
         raise ValueError(
@@ -272,9 +194,9 @@ def _start(
     # (E = M - applied) stays exact. CPU and the float64 reference: compute dtype.
     gdt = matmul_dtype or (torch.bfloat16 if (dev.type == "cuda" and cdt == torch.float32) else cdt)
     work = None
-    if dev.type == "cpu" and gdt == cdt:  # the host chain (see _host_matrices)
+    if dev.type == "cpu" and gdt == cdt:  # the host chain (lowrank_host.py)
         work = out if out.dtype == cdt else torch.empty(plan.numel, dtype=cdt, device=dev)
-    return _Call(
+    return LowRankCall(
         flat=flat,
         out=out,
         plan=plan,
@@ -295,101 +217,8 @@ def _start(
     )
 
 
-def _error_fed_matrices(
-    c: _Call,
-) -> tuple[list[torch.Tensor], list[list[tuple[int, torch.Tensor]]], list[torch.Tensor | None]]:
-    """``M = G + E`` per group, ``(k, n, m)`` in the compute dtype (a view of the bucket when
-    in place with k = 1). Slots in ``keep`` get a zero input and their residual rows are
-    saved, returned per group as ``(index, residual)`` to be put back after the step. Third:
-    per group ``M`` in the product dtype when it came out of the same pass (CUDA, with a
-    residual: :func:`verl_comm.kernels.ef.ef_add_cast`), else None."""
-    dev = c.flat.device
-    ms: list[torch.Tensor] = []
-    kept: list[list[tuple[int, torch.Tensor]]] = []
-    lows: list[torch.Tensor | None] = []
-    for gi, g in enumerate(c.plan.groups):
-        res = c.state.residuals[gi] if c.error_feedback else None
-        if res is not None and (res.shape != (g.k, g.n, g.m) or res.device != dev):
-            res = None
-        if c.in_place and g.k == 1:
-            s0 = g.slots[0]
-            mat = c.flat[s0.offset : s0.offset + s0.numel].view(1, g.n, g.m)
-        else:
-            mat = torch.empty(g.k, g.n, g.m, dtype=c.cdt, device=dev)
-            for i, s in enumerate(g.slots):
-                mat[i].copy_(c.flat[s.offset : s.offset + s.numel].view(g.n, g.m))
-        saved = []
-        for i, s in enumerate(g.slots):
-            if s.offset in c.keep_set:
-                mat[i].zero_()
-                if res is not None:
-                    saved.append((i, res[i].clone()))
-        low = None
-        if res is not None:
-            if saved:
-                for i, _ in saved:
-                    res[i].zero_()
-            if c.gdt != c.cdt:  # M and its product-dtype copy in one pass (CUDA: one kernel)
-                low = ef_add_cast(mat, res, c.gdt)
-            else:
-                mat += res
-        kept.append(saved)
-        ms.append(mat)
-        lows.append(low)
-        if c.stats:
-            c.input_sq = c.input_sq + mat.square().sum()
-    return ms, kept, lows
-
-
-HOST_CHUNK_NUMEL = 1 << 17
-"""Host chain: elements of one row chunk of a matrix (512 KiB in fp32), the unit in which a
-16-bit residual is widened and added, and ``P Q^T`` is formed, subtracted and written."""
-
-
-def _rows(g: MatrixGroup) -> int:
-    """Rows of one host chunk of the group's (n, m) matrices."""
-    return max(1, min(g.n, HOST_CHUNK_NUMEL // g.m))
-
-
-def _host_matrices(c: _Call) -> tuple[list[list[torch.Tensor]], list[set[int]]]:
-    """Host chain: ``M = G + E`` per matrix, in place in the work buffer (the bucket itself
-    when ``out`` aliases a compute-dtype ``flat``, else ``out``), returned per group as the
-    matrices' ``(n, m)`` views: nothing is stacked, so no copy of the bucket in and out of
-    a work buffer, and a 16-bit residual is widened a row chunk at a time (a mixed-dtype
-    ``add_`` on the CPU first converts its whole operand). Slots in ``keep``: zero input,
-    their indices returned per group (their residual is not read or written)."""
-    dev, work = c.flat.device, c.work
-    assert work is not None
-    ms: list[list[torch.Tensor]] = []
-    skips: list[set[int]] = []
-    for gi, g in enumerate(c.plan.groups):
-        res = c.state.residuals[gi] if c.error_feedback else None
-        if res is not None and (res.shape != (g.k, g.n, g.m) or res.device != dev):
-            res = None
-        rows, mats, skip = _rows(g), [], set()
-        for i, s in enumerate(g.slots):
-            mat = work[s.offset : s.offset + s.numel].view(g.n, g.m)
-            if s.offset in c.keep_set:
-                mat.zero_()
-                skip.add(i)
-            else:
-                if work.data_ptr() != c.flat.data_ptr():
-                    mat.copy_(c.flat[s.offset : s.offset + s.numel].view(g.n, g.m))
-                if res is not None and res.dtype == mat.dtype:
-                    mat.add_(res[i])
-                elif res is not None:
-                    for r0 in range(0, g.n, rows):
-                        mat[r0 : r0 + rows].add_(res[i, r0 : r0 + rows])
-                if c.stats:
-                    c.input_sq = c.input_sq + mat.square().sum()
-            mats.append(mat)
-        ms.append(mats)
-        skips.append(skip)
-    return ms, skips
-
-
 def _power_iteration(
-    c: _Call,
+    c: LowRankCall,
     ms: list,
     wire: FactorWire,
     warm_start: bool,
@@ -439,150 +268,7 @@ def _power_iteration(
     return ps, qs, q_prevs
 
 
-def _finish_group(
-    c: _Call,
-    gi: int,
-    mat: torch.Tensor,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    q_prev: torch.Tensor,
-    kept: list[tuple[int, torch.Tensor]],
-) -> None:
-    """Group ``gi`` after both payloads: residual ``E = M - P Q^T`` (kept rows put back),
-    the warm-start Q stored, ``P Q^T`` written to the group's slots of ``out``."""
-    g, state, cdt, gdt = c.plan.groups[gi], c.state, c.cdt, c.gdt
-    if cdt == torch.float32 and gdt == torch.bfloat16 and g.k == 1:
-        _apply_fused(c, gi, mat[0], p[0], q[0], kept)
-        _store_q(state, gi, q, q_prev)
-        return
-    approx = None if gdt == cdt else torch.bmm(p.to(gdt), q.mT.to(gdt))
-    if c.error_feedback or c.stats:
-        # E = M - applied approximation (M is ours: the bucket or the work buffer)
-        res = state.residuals[gi] if c.error_feedback else None
-        if res is None or res.shape != mat.shape or res.dtype != c.residual_dtype:
-            res = None
-        if approx is None:
-            err = mat.baddbmm_(p, q.mT, beta=1.0, alpha=-1.0)
-        elif res is not None and not c.stats:
-            err = torch.sub(mat, approx, out=res)  # one pass, straight to storage
-        else:
-            err = mat.sub_(approx)
-        if c.stats:
-            c.error_sq = c.error_sq + err.float().square().sum()
-        if c.error_feedback:
-            if res is None:
-                state.residuals[gi] = err.to(c.residual_dtype, copy=True)
-            elif err is not res:
-                res.copy_(err)
-            for i, old in kept:
-                state.residuals[gi][i].copy_(old)
-        del err
-    _store_q(state, gi, q, q_prev)
-    out = c.out
-    if approx is None and g.k == 1 and (c.in_place or out.dtype == cdt):
-        s0 = g.slots[0]
-        torch.bmm(p, q.mT, out=out[s0.offset : s0.offset + s0.numel].view(1, g.n, g.m))
-    else:
-        if approx is None:
-            approx = torch.bmm(p, q.mT)
-        for i, s in enumerate(g.slots):
-            out[s.offset : s.offset + s.numel].view(g.n, g.m).copy_(approx[i])
-
-
-def _apply_fused(
-    c: _Call,
-    gi: int,
-    mat: torch.Tensor,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    kept: list[tuple[int, torch.Tensor]],
-) -> None:
-    """One matrix (k = 1) with products in the lower dtype: ``A = P Q^T``, ``E = M - A``
-    and ``A`` written to the group's slot of ``out`` in one pass
-    (:func:`verl_comm.kernels.ef.ef_apply`; torch operations on the CPU). With statistics
-    the residual goes through an fp32 buffer first, so the output and the stored residual
-    are those of a step without statistics."""
-    g, state = c.plan.groups[gi], c.state
-    s0 = g.slots[0]
-    out = c.out[s0.offset : s0.offset + s0.numel]
-    res = state.residuals[gi] if c.error_feedback else None
-    if c.error_feedback and (
-        res is None or res.shape != (1, g.n, g.m) or res.dtype != c.residual_dtype
-    ):
-        res = state.residuals[gi] = torch.empty(
-            1, g.n, g.m, dtype=c.residual_dtype, device=mat.device
-        )
-    target = torch.empty_like(mat) if c.stats else (None if res is None else res[0])
-    ef_apply(mat, p, q, target, out, low_dtype=c.gdt)
-    if c.stats:
-        c.error_sq = c.error_sq + target.square().sum()
-        if res is not None:
-            res[0].copy_(target)
-    for i, old in kept:
-        res[i].copy_(old)
-
-
-def _store_q(state: LowRankBucketState, gi: int, q: torch.Tensor, q_prev: torch.Tensor) -> None:
-    """Keep group ``gi``'s Q for the next warm start. A matrix that is zero on every rank
-    (its parameter unused everywhere this step) gets Q = M^T P = 0, and a zero warm start
-    would stay zero for ever (P = M 0): keep its previous Q instead (per matrix, on the
-    device, no sync)."""
-    q_keep = torch.where(q.abs().amax(dim=(-2, -1), keepdim=True) > 0, q, q_prev)
-    if state.qs[gi] is not None and state.qs[gi].shape == q.shape:
-        state.qs[gi].copy_(q_keep)  # in place: a captured CUDA graph reads this tensor
-    else:
-        state.qs[gi] = q_keep.clone()
-
-
-def _finish_host(
-    c: _Call,
-    gi: int,
-    mats: list[torch.Tensor],
-    p: torch.Tensor,
-    q: torch.Tensor,
-    q_prev: torch.Tensor,
-    skip: set[int],
-) -> None:
-    """Host chain, group ``gi`` after both payloads: per row chunk of each matrix, ``A = P
-    Q^T`` once (one product, not one for the residual and one for the output), ``E = M - A``
-    into the residual (slots in ``skip`` keep theirs), ``A`` over ``M`` in the work buffer;
-    the warm-start Q stored; the matrices copied to ``out`` when it is not the work buffer."""
-    g, state, cdt, dev = c.plan.groups[gi], c.state, c.cdt, c.flat.device
-    res = state.residuals[gi] if c.error_feedback else None
-    if c.error_feedback and (
-        res is None
-        or res.shape != (g.k, g.n, g.m)
-        or res.dtype != c.residual_dtype
-        or res.device != dev
-    ):
-        old, res = res, torch.zeros(g.k, g.n, g.m, dtype=c.residual_dtype, device=dev)
-        if old is not None and old.shape == res.shape:
-            for i in skip:
-                res[i].copy_(old[i])
-        state.residuals[gi] = res
-    rows = _rows(g)
-    a_buf = torch.empty(rows * g.m, dtype=cdt, device=dev)
-    for i, mat in enumerate(mats):
-        store = res is not None and i not in skip
-        for r0 in range(0, g.n, rows):
-            m = mat[r0 : r0 + rows]
-            a = a_buf[: m.numel()].view(m.shape)
-            torch.mm(p[i, r0 : r0 + rows], q[i].mT, out=a)
-            if c.stats:
-                m.sub_(a)
-                c.error_sq = c.error_sq + m.square().sum()
-                if store:
-                    res[i, r0 : r0 + rows].copy_(m)
-            elif store:
-                torch.sub(m, a, out=res[i, r0 : r0 + rows])
-            m.copy_(a)
-    _store_q(state, gi, q, q_prev)
-    if c.out.data_ptr() != c.work.data_ptr():
-        for mat, s in zip(mats, g.slots):
-            c.out[s.offset : s.offset + s.numel].view(g.n, g.m).copy_(mat)
-
-
-def _reduce_rest(c: _Call, rest_in: torch.Tensor, mode: str) -> None:
+def _reduce_rest(c: LowRankCall, rest_in: torch.Tensor, mode: str) -> None:
     """The tensors low rank does not shrink: one payload with its own error feedback
     (``keep`` slots: zero input, residual left as it was), copied to their slots of ``out``."""
     state, cdt, ef = c.state, c.cdt, c.error_feedback
