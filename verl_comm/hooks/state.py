@@ -217,8 +217,8 @@ class CommHookState:
         self._measure_at = self.config.start_iter  # policy auto: see verl_comm.hooks.measure
         self._gate: Any = None  # threading.Event of the measurement step (worker path)
         self._trial: Any = None  # hooks.trial.Trial: policy auto's trial steps (CPU hosts)
-        self._trial_round: int | None = None
-        self._trial_seen = -1  # the _submitted_iter whose first hook call has been seen  # the _measure_at whose trial was started
+        self._trial_round: int | None = None  # the _measure_at whose trial was started
+        self._trial_seen = -1  # the _submitted_iter whose first hook call has been seen
         self._last_end_s: float | None = None  # perf_counter at the last end_step
         self._held_measure: list = []  # buckets held inline on the measurement step
         self.param_keys: dict[int, int] = {}  # parameter data_ptr -> index in the DDP module
