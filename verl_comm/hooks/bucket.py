@@ -171,3 +171,31 @@ class GradBucket:
             f"GradBucket(index={self._index}, params={len(self._params)}, "
             f"numel={self._buffer.numel()}, dtype={self._buffer.dtype}, is_last={self._is_last})"
         )
+
+
+_META = ("method", "rank", "block", "residual dtype", "error feedback")
+
+
+def describe_change(old_sig: tuple, new_sig: tuple, old_meta: tuple, new_meta: tuple) -> str:
+    """Name the parts of a bucket's ``(numel, dtype, param shapes)`` signature and
+    ``(method, rank, block, residual dtype, error feedback)`` meta that differ, e.g.
+    ``"parameter 0 of 2: shape (64, 32) -> (64,)"``."""
+    parts = []
+    if old_sig[0] != new_sig[0]:
+        parts.append(f"numel {old_sig[0]} -> {new_sig[0]}")
+    if old_sig[1] != new_sig[1]:
+        parts.append(f"dtype {old_sig[1]} -> {new_sig[1]}")
+    a, b = list(old_sig[2]), list(new_sig[2])
+    if a != b:
+        if len(a) != len(b):
+            parts.append(f"{len(a)} -> {len(b)} parameters")
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if tuple(x) != tuple(y)), None)
+        if i is not None:
+            parts.append(
+                f"parameter {i} of {len(b)}: shape {tuple(a[i])} -> {tuple(b[i])} "
+                "(other parameters: DDP rebuilt its buckets?)"
+            )
+    for name, x, y in zip(_META, old_meta, new_meta):
+        if x != y:
+            parts.append(f"{name} {x!r} -> {y!r}")
+    return "; ".join(parts) or "unchanged"

@@ -29,6 +29,7 @@ from verl_comm.compression.policy import LinkModel, PolicyDecision, describe_cho
 from verl_comm.telemetry import CommRecorder
 
 from . import trial
+from .bucket import describe_change
 from .stats import BucketRecord, BucketStats, comm_record, pack_scalars, resolve_records, summarize
 
 logger = logging.getLogger("verl_comm.hooks")
@@ -113,34 +114,6 @@ class BucketState:
     def nbytes(self) -> int:
         """Bytes of tensors held (error-feedback residuals and Q factors)."""
         return sum(t.numel() * t.element_size() for t in self._tensors())
-
-
-_META = ("method", "rank", "block", "residual dtype", "error feedback")
-
-
-def describe_change(old_sig: tuple, new_sig: tuple, old_meta: tuple, new_meta: tuple) -> str:
-    """Name the parts of a bucket's ``(numel, dtype, param shapes)`` signature and
-    ``(method, rank, block, residual dtype, error feedback)`` meta that differ, e.g.
-    ``"parameter 0 of 2: shape (64, 32) -> (64,)"``."""
-    parts = []
-    if old_sig[0] != new_sig[0]:
-        parts.append(f"numel {old_sig[0]} -> {new_sig[0]}")
-    if old_sig[1] != new_sig[1]:
-        parts.append(f"dtype {old_sig[1]} -> {new_sig[1]}")
-    a, b = list(old_sig[2]), list(new_sig[2])
-    if a != b:
-        if len(a) != len(b):
-            parts.append(f"{len(a)} -> {len(b)} parameters")
-        i = next((k for k, (x, y) in enumerate(zip(a, b)) if tuple(x) != tuple(y)), None)
-        if i is not None:
-            parts.append(
-                f"parameter {i} of {len(b)}: shape {tuple(a[i])} -> {tuple(b[i])} "
-                "(other parameters: DDP rebuilt its buckets?)"
-            )
-    for name, x, y in zip(_META, old_meta, new_meta):
-        if x != y:
-            parts.append(f"{name} {x!r} -> {y!r}")
-    return "; ".join(parts) or "unchanged"
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -326,17 +299,13 @@ class CommHookState:
     def auto_settling(self) -> bool:
         """Whether ``policy: auto`` is still measuring, deciding or running its trial steps
         (:mod:`verl_comm.hooks.trial`): its paths may change at the next step."""
-        if self.config.policy != "auto" or self.iteration < self._measure_at + 3:
-            return self.config.policy == "auto"
-        t = self._trial
-        return t is not None and t.measure_at == self._measure_at and t.chosen is None
+        return trial.settling(self)
 
     def auto_note(self) -> str | None:
         """What ``policy: auto`` chose per bucket and why (the model's predictions), and
         its trial steps; None before any decision."""
-        note = describe_choices(self.buckets)
-        t = trial.describe(self._trial)
-        return note if t is None else (t if note is None else f"{note} | {t}")
+        parts = [describe_choices(self.buckets), trial.describe(self._trial)]
+        return " | ".join(p for p in parts if p) or None
 
     def ef_state_nbytes(self) -> int:
         """Bytes of error-feedback residuals and Q factors held by this rank."""

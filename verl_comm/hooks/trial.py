@@ -75,13 +75,19 @@ class Trial:
         """First iteration after the trials."""
         return self.start + self.steps * len(self.plans)
 
+    def plan_at(self, iteration: int) -> dict[int, str] | None:
+        """The plan of ``iteration``: the kept one once agreed, a candidate's during the
+        trials, else None (the decisions')."""
+        if self.chosen is not None:
+            return self.plans[self.chosen]
+        if self.start <= iteration < self.stop:
+            return self.plans[(iteration - self.start) // self.steps]
+        return None
+
     def path(self, index: int, iteration: int) -> str | None:
         """The path bucket ``index`` takes at ``iteration`` (None: the decision's)."""
-        if self.chosen is not None:
-            return self.plans[self.chosen].get(index)
-        if self.start <= iteration < self.stop:
-            return self.plans[(iteration - self.start) // self.steps].get(index)
-        return None
+        plan = self.plan_at(iteration)
+        return None if plan is None else plan.get(index)
 
     def step_times(self) -> list[float]:
         """Median seconds per step of each candidate (inf where no step was timed)."""
@@ -132,12 +138,7 @@ def cast_plan(state) -> dict[int, str] | None:
         return None
     t = state._trial
     if t is not None and t.measure_at == state._measure_at:
-        if t.chosen is not None:
-            plan = t.plans[t.chosen]
-        elif t.start <= state.iteration < t.stop:
-            plan = t.plans[(state.iteration - t.start) // t.steps]
-        else:
-            return None  # the step that agrees on the trial: the worker path
+        plan = t.plan_at(state.iteration)  # None only on the agreeing step: the worker path
     else:
         plan = {i: b.decision.path for i, b in state.buckets.items() if b.decision is not None}
         if len(plan) != len(state.buckets):
@@ -250,6 +251,14 @@ def restored(d: dict | None, measure_at: int) -> Trial | None:
     plans = [{int(i): p for i, p in plan.items()} for plan in d["plans"]]
     return Trial(measure_at, 0, int(d["steps"]), list(d["names"]), plans,
                  chosen=int(d["chosen"]), times_s=list(d["times_s"]))  # fmt: skip
+
+
+def settling(state) -> bool:
+    """:attr:`CommHookState.auto_settling` (see there)."""
+    if state.config.policy != "auto" or state.iteration < state._measure_at + 3:
+        return state.config.policy == "auto"
+    t = state._trial
+    return t is not None and t.measure_at == state._measure_at and t.chosen is None
 
 
 def describe(t: Trial | None) -> str | None:
