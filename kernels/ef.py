@@ -34,12 +34,19 @@ def _same(name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def ef_add_cast(
-    m: torch.Tensor, residual: torch.Tensor, low_dtype: torch.dtype, *, backend: str = "auto"
+    m: torch.Tensor,
+    residual: torch.Tensor,
+    low_dtype: torch.dtype,
+    *,
+    update: bool = True,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """``m += residual`` in place and ``m.to(low_dtype)`` in one pass.
 
     Args:
-        m: contiguous float tensor (the error-fed matrix, fp32 for low rank), updated.
+        m: contiguous float tensor (the error-fed matrix, fp32 for low rank), updated
+            unless ``update`` is False (then only the copy of the sum is made, and
+            :func:`ef_apply` with ``add_residual`` forms the same sum again).
         residual: contiguous float tensor of ``m``'s size and device (any float dtype).
         low_dtype: the dtype of the returned copy (bf16 / fp16 / fp32).
 
@@ -52,6 +59,8 @@ def ef_add_cast(
     _check("m", m)
     _same("residual", residual, m)
     if not _use_triton(m, backend):
+        if not update:
+            return (m + residual.view(m.shape)).to(low_dtype)
         m += residual.view(m.shape)
         return m.to(low_dtype)
     from .triton_kernels import _ef_add_cast_kernel
@@ -61,14 +70,15 @@ def ef_add_cast(
     with _on_device(m) as extra:
         for t0, t1, n_bound in _launches(flat.numel()):
             _ef_add_cast_kernel[(t1 - t0,)](
-                flat, r, lo, n_bound, t0, TILE=TILE, ON_GPU=m.is_cuda,
+                flat, r, lo, n_bound, t0, TILE=TILE, UPDATE=update, ON_GPU=m.is_cuda,
                 USE_INT64=flat.numel() >= _INT32_LIMIT, num_warps=WARPS, **extra,
             )  # fmt: skip
     return low
 
 
-APPLY_TILE = (64, 128)
-"""(rows, columns) of ``A = P Q^T`` per program of :func:`ef_apply`."""
+APPLY_TILE = (128, 128)
+"""(rows, columns) of ``A = P Q^T`` per program of :func:`ef_apply`; the rank is taken in
+steps of up to 128 (one step for r <= 128), 8 warps."""
 APPLY_WARPS = 8
 
 
@@ -79,11 +89,12 @@ def ef_apply(
     residual: torch.Tensor | None,
     out: torch.Tensor,
     *,
-    low_dtype: torch.dtype = torch.bfloat16,
+    add_residual: bool = False,
     backend: str = "auto",
+    launch: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Apply a rank-r approximation with error feedback in one pass over the matrix:
-    ``A = P Q^T`` (operands rounded to ``low_dtype``, products summed in fp32),
+    ``A = P Q^T`` (products of the operands as given, summed in fp32),
     ``residual = M - A`` (fp32, rounded to the residual's dtype) and ``out = A``.
 
     The product is formed tile by tile and never stored: the matrix's bytes are read once
@@ -96,13 +107,18 @@ def ef_apply(
     Args:
         m: ``(n, cols)`` fp32 contiguous, the error-fed matrix (read only when
             ``residual`` is given).
-        p: ``(n, r)`` fp32 contiguous. q: ``(cols, r)`` fp32 contiguous.
+        p: ``(n, r)`` and q: ``(cols, r)``, contiguous, both bf16 (tensor-core products)
+            or both fp32.
         residual: ``(n, cols)`` float contiguous (fp32/bf16/fp16), overwritten; or None
             (no error feedback: only ``out`` is written).
         out: ``n * cols`` float elements, contiguous (fp32/bf16/fp16); may be ``m``
             itself (same memory), not a partial overlap.
-        low_dtype: ``torch.bfloat16`` (tensor-core operands) or ``torch.float32``.
+        add_residual: ``m`` holds the gradient G and ``residual`` the previous E: the
+            matrix is ``M = G + E`` (fp32 sum, as :func:`ef_add_cast`), formed per element
+            before E is overwritten.
         backend: ``auto`` | ``triton`` | ``torch`` (see :mod:`verl_comm.kernels.ops`).
+        launch: ``(rows, columns, rank step, warps)`` per program (benchmark sweeps);
+            default :data:`APPLY_TILE`, the rank in one step up to 128, :data:`APPLY_WARPS`.
 
     Raises:
         TypeError / ValueError: dtypes, shapes, contiguity, devices, backend.
@@ -114,17 +130,20 @@ def ef_apply(
         raise ValueError(
             f"shapes do not chain: m {tuple(m.shape)}, p {tuple(p.shape)}, q {tuple(q.shape)}"
         )
-    if low_dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"low_dtype must be torch.bfloat16 or torch.float32, got {low_dtype}")
-    for name, t in (("m", m), ("p", p), ("q", q)):
+    for name, t, dts in (("m", m, (torch.float32,)), ("p", p, (torch.float32, torch.bfloat16)),
+                         ("q", q, (p.dtype,))):  # fmt: skip
         _check(name, t)
-        if t.dtype != torch.float32 or t.device != m.device:
-            raise TypeError(f"{name} must be float32 on {m.device}")
+        if t.dtype not in dts or t.device != m.device:
+            raise TypeError(f"{name} must be {' or '.join(map(str, dts))} on {m.device}")
     _same("out", out, m)
     if residual is not None:
         _same("residual", residual, m)
+    elif add_residual:
+        raise ValueError("add_residual needs the residual")
     if not _use_triton(m, backend):
-        a = torch.mm(p.to(low_dtype).float(), q.to(low_dtype).float().mT)
+        if add_residual:
+            m = m + residual.view(n, cols)
+        a = torch.mm(p.float(), q.float().mT)
         if residual is not None:
             torch.sub(m, a, out=residual.view(n, cols))
         out.view(n, cols).copy_(a)
@@ -132,14 +151,17 @@ def ef_apply(
     from .triton_kernels import _ef_apply_kernel
 
     rank = p.shape[1]
-    bn, bm = APPLY_TILE
-    br = min(64, max(16, 1 << (rank - 1).bit_length()))
+    if launch is None:
+        bn, bm = APPLY_TILE
+        launch = (bn, bm, min(128, max(16, 1 << (rank - 1).bit_length())), APPLY_WARPS)
+    bn, bm, br, warps = launch
     grid = (-(-n // bn), -(-cols // bm))
     res = residual if residual is not None else out  # unread and unwritten without one
     with _on_device(m) as extra:
         _ef_apply_kernel[grid](
             p, q, m, res, out, n, cols, rank,
-            HAS_RESIDUAL=residual is not None, BF16=low_dtype == torch.bfloat16,
+            HAS_RESIDUAL=residual is not None, ADD_RESIDUAL=add_residual,
+            BF16=p.dtype == torch.bfloat16,
             BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=br, ON_GPU=m.is_cuda,
-            USE_INT64=m.numel() >= _INT32_LIMIT, num_warps=APPLY_WARPS, **extra,
+            USE_INT64=m.numel() >= _INT32_LIMIT, num_warps=warps, **extra,
         )  # fmt: skip

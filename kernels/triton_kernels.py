@@ -277,10 +277,12 @@ def _ef_add_cast_kernel(
     n,
     tile0,
     TILE: tl.constexpr,
+    UPDATE: tl.constexpr,
     ON_GPU: tl.constexpr,
     USE_INT64: tl.constexpr,
 ):
-    """m (n,) += r (n,) in fp32, rounded to m's dtype; low (n,) = m rounded to low's dtype."""
+    """m (n,) += r (n,) in fp32, rounded to m's dtype (stored when UPDATE); low (n,) = that
+    sum rounded to low's dtype."""
     pid = tl.program_id(0)
     if USE_INT64:
         pid = pid.to(tl.int64)
@@ -289,7 +291,8 @@ def _ef_add_cast_kernel(
     m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     m = m + tl.load(r_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     m = _cast_out(m, m_ptr, ON_GPU)
-    tl.store(m_ptr + idx, m, mask=mask)
+    if UPDATE:
+        tl.store(m_ptr + idx, m, mask=mask)
     tl.store(low_ptr + idx, _cast_out(m.to(tl.float32), low_ptr, ON_GPU), mask=mask)
 
 
@@ -304,6 +307,7 @@ def _ef_apply_kernel(
     m,
     rank,
     HAS_RESIDUAL: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
     BF16: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -311,9 +315,9 @@ def _ef_apply_kernel(
     ON_GPU: tl.constexpr,
     USE_INT64: tl.constexpr,
 ):
-    """One (BLOCK_N, BLOCK_M) tile of ``A = P Q^T`` (P (n, rank), Q (m, rank) fp32, operands
-    rounded to bf16 when BF16, fp32 accumulation), then r = M - A (M (n, m) fp32, rounded to
-    r's dtype) and out = A in out's dtype. out may alias M: a program reads its tile of M
+    """One (BLOCK_N, BLOCK_M) tile of ``A = P Q^T`` (P (n, rank), Q (m, rank), both bf16
+    when BF16 else fp32; fp32 accumulation), then r = M - A (M (n, m) fp32, or m + r when
+    ADD_RESIDUAL; rounded to r's dtype) and out = A in out's dtype. out may alias M: a program reads its tile of M
     before it writes that tile, and no other program touches it."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -333,25 +337,17 @@ def _ef_apply_kernel(
         b = tl.load(q_ptr + rm[None, :] * rank + rk[:, None], mask=k_ok[:, None] & m_ok[None, :],
                     other=0.0)  # fmt: skip
         if BF16 and ON_GPU:
-            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-        elif BF16:  # interpreter: bf16-rounded values held in fp32, exact products
-            acc = tl.dot(_rne_bf16(a), _rne_bf16(b), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc = tl.dot(a, b, acc)
+        else:  # fp32 operands, or the interpreter (bf16 values held exactly in fp32)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     idx = rn[:, None] * m + rm[None, :]
     mask = n_ok[:, None] & m_ok[None, :]
     if HAS_RESIDUAL:
         mm = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if ADD_RESIDUAL:  # M = G + E (m's dtype is fp32: the sum of _ef_add_cast_kernel)
+            mm = mm + tl.load(r_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         tl.store(r_ptr + idx, _cast_out(mm - acc, r_ptr, ON_GPU), mask=mask)
     tl.store(out_ptr + idx, _cast_out(acc, out_ptr, ON_GPU), mask=mask)
-
-
-@triton.jit
-def _rne_bf16(y):
-    """fp32 ``y`` rounded to the nearest bf16 (ties to even), kept in fp32 (finite input)."""
-    bits = y.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 def grid_1d(nblocks: int, blocks_per_prog: int) -> tuple[int]:

@@ -43,9 +43,11 @@ def test_ef_add_cast_has_the_bits_of_add_then_to(rdt, n):
 
 @pytest.mark.parametrize("rdt", [torch.bfloat16, torch.float32, None])
 @pytest.mark.parametrize("alias", [True, False])
-@pytest.mark.parametrize("rank", [5, 80])  # one partial rank block; two blocks
-def test_ef_apply_forms_p_qt_and_splits_exactly(rdt, alias, rank):
-    """out = A = P Q^T of the bf16-rounded factors (fp32 sums: within the summation-order
+@pytest.mark.parametrize(
+    ("rank", "odt"), [(5, torch.bfloat16), (80, torch.float32), (200, torch.bfloat16)]
+)  # rank in one partial step; two steps
+def test_ef_apply_forms_p_qt_and_splits_exactly(rdt, alias, rank, odt):
+    """out = A = P Q^T of bf16 or fp32 factors (fp32 sums: within the summation-order
     bound 2 r u sum_k |p_ik q_jk|, u = 2**-24, of torch's product), and the residual is
     exactly M - A rounded once to its dtype: what is applied plus what is kept is M."""
     n, cols = 100, 150  # partial tiles in both directions
@@ -53,7 +55,8 @@ def test_ef_apply_forms_p_qt_and_splits_exactly(rdt, alias, rank):
     m = (torch.randn(n, cols, generator=g) * 3).to(DEV)
     p = torch.randn(n, rank, generator=g).to(DEV)
     q = torch.randn(cols, rank, generator=g).to(DEV)
-    pb, qb = p.bfloat16().float(), q.bfloat16().float()
+    p, q = p.to(odt), q.to(odt)
+    pb, qb = p.float(), q.float()
     want_a = pb @ qb.mT
     bound = 2 * rank * 2.0**-24 * (pb.abs() @ qb.abs().mT)
     m0 = m.clone()
@@ -75,3 +78,24 @@ def test_bad_input_is_refused():
         ef_apply(m2, p, torch.zeros(2, 1, device=DEV), torch.zeros(16, device=DEV)[::2], m2)
     with pytest.raises(ValueError, match="do not chain"):
         ef_apply(m2, p, torch.zeros(3, 1, device=DEV), None, m2)
+
+
+@pytest.mark.parametrize("rdt", [torch.bfloat16, torch.float32])
+def test_sum_formed_twice_has_the_bits_of_sum_stored(rdt):
+    """``ef_add_cast(update=False)`` leaves M = G and gives the bf16 copy of G + E;
+    ``ef_apply(add_residual=True)`` then forms G + E again: the same residual and output
+    bits as the path that stores M = G + E first."""
+    n, cols, rank = 100, 150, 8
+    g = torch.Generator().manual_seed(3)
+    grad = (torch.randn(n, cols, generator=g) * 3).to(DEV)
+    e_old = (torch.randn(n, cols, generator=g) * 1e-2).to(DEV, rdt)
+    p = torch.randn(n, rank, generator=g).to(DEV, torch.bfloat16)
+    q = torch.randn(cols, rank, generator=g).to(DEV, torch.bfloat16)
+    stored, e1, out1 = grad.clone(), e_old.clone(), torch.empty(n * cols, device=DEV)
+    low1 = ef_add_cast(stored, e1, torch.bfloat16, backend=BACKEND)
+    ef_apply(stored, p, q, e1, out1, backend=BACKEND)
+    kept, e2 = grad.clone(), e_old.clone()
+    low2 = ef_add_cast(kept, e2, torch.bfloat16, update=False, backend=BACKEND)
+    assert torch.equal(kept, grad) and _same_bits(low2, low1)
+    ef_apply(kept, p, q, e2, kept, add_residual=True, backend=BACKEND)  # out aliases G
+    assert _same_bits(e2, e1) and _same_bits(kept.view(-1), out1)

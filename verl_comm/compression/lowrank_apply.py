@@ -10,6 +10,7 @@ import torch
 from verl_comm.kernels.ef import ef_add_cast, ef_apply
 
 from .lowrank_call import LowRankCall, store_q
+from .lowrank_plan import MatrixGroup
 
 
 def error_fed_matrices(
@@ -46,7 +47,10 @@ def error_fed_matrices(
             if saved:
                 for i, _ in saved:
                     res[i].zero_()
-            if c.gdt != c.cdt:  # M and its product-dtype copy in one pass (CUDA: one kernel)
+            if _fused(c, g) and not c.stats:  # only M's bf16 copy; M is formed when applied
+                low = ef_add_cast(mat, res, c.gdt, update=False)
+                c.fed.add(gi)
+            elif c.gdt != c.cdt:  # M and its product-dtype copy in one pass (CUDA: one kernel)
                 low = ef_add_cast(mat, res, c.gdt)
             else:
                 mat += res
@@ -70,7 +74,7 @@ def finish_group(
     """Group ``gi`` after both payloads: residual ``E = M - P Q^T`` (kept rows put back),
     the warm-start Q stored, ``P Q^T`` written to the group's slots of ``out``."""
     g, state, cdt, gdt = c.plan.groups[gi], c.state, c.cdt, c.gdt
-    if cdt == torch.float32 and gdt == torch.bfloat16 and g.k == 1:
+    if _fused(c, g) or gi in c.fed:
         _apply_fused(c, gi, mat[0], p[0], q[0], kept)
         store_q(state, gi, q, q_prev)
         return
@@ -108,6 +112,14 @@ def finish_group(
             out[s.offset : s.offset + s.numel].view(g.n, g.m).copy_(approx[i])
 
 
+def _fused(c: LowRankCall, g: MatrixGroup) -> bool:
+    """Whether group ``g`` is applied by :func:`_apply_fused`: one matrix with products in
+    bf16 on fp32 (CUDA). Without statistics its ``M = G + E`` is then never stored: the
+    error-feedback pass writes only M's bf16 copy, and the apply pass forms ``G + E`` again
+    (the same fp32 sum) before it overwrites E (20 instead of 22 bytes per element)."""
+    return c.cdt == torch.float32 and c.gdt == torch.bfloat16 and g.k == 1
+
+
 def _apply_fused(
     c: LowRankCall,
     gi: int,
@@ -132,7 +144,8 @@ def _apply_fused(
             1, g.n, g.m, dtype=c.residual_dtype, device=mat.device
         )
     target = torch.empty_like(mat) if c.stats else (None if res is None else res[0])
-    ef_apply(mat, p, q, target, out, low_dtype=c.gdt)
+    fed = gi in c.fed  # mat holds G, the residual E: M = G + E is formed in the pass
+    ef_apply(mat, p.to(c.gdt), q.to(c.gdt), target, out, add_residual=fed)
     if c.stats:
         c.error_sq = c.error_sq + target.square().sum()
         if res is not None:

@@ -86,6 +86,7 @@ class LowRankCall:
     error_sq: torch.Tensor | None
     input_sq: torch.Tensor | None
     wire_total: int = 0
+    fed: set[int] = field(default_factory=set)  # groups whose M = G + E is formed when applied
 
     def reduce(self, x: torch.Tensor, mode: str, residual: torch.Tensor | None = None) -> None:
         """Average payload ``x`` in place (:func:`reduce_payload`); count bytes and finiteness."""
