@@ -78,7 +78,9 @@ def ef_add_cast(
 
 APPLY_TILE = (128, 128)
 """(rows, columns) of ``A = P Q^T`` per program of :func:`ef_apply`; the rank is taken in
-steps of up to 128 (one step for r <= 128), 8 warps."""
+steps of up to 128 with bf16 factors (one step for r <= 128) and of up to 32 with fp32
+factors (a 128-wide fp32 step of P and Q over three pipeline stages needs 384 KiB of shared
+memory; an H100 or H200 block has 227 KiB), 8 warps."""
 APPLY_WARPS = 8
 
 
@@ -118,7 +120,8 @@ def ef_apply(
             before E is overwritten.
         backend: ``auto`` | ``triton`` | ``torch`` (see :mod:`verl_comm.kernels.ops`).
         launch: ``(rows, columns, rank step, warps)`` per program (benchmark sweeps);
-            default :data:`APPLY_TILE`, the rank in one step up to 128, :data:`APPLY_WARPS`.
+            default :data:`APPLY_TILE`, the rank step of :data:`APPLY_TILE`'s note,
+            :data:`APPLY_WARPS`.
 
     Raises:
         TypeError / ValueError: dtypes, shapes, contiguity, devices, backend.
@@ -153,7 +156,8 @@ def ef_apply(
     rank = p.shape[1]
     if launch is None:
         bn, bm = APPLY_TILE
-        launch = (bn, bm, min(128, max(16, 1 << (rank - 1).bit_length())), APPLY_WARPS)
+        step = 128 if p.dtype == torch.bfloat16 else 32
+        launch = (bn, bm, min(step, max(16, 1 << (rank - 1).bit_length())), APPLY_WARPS)
     bn, bm, br, warps = launch
     grid = (-(-n // bn), -(-cols // bm))
     res = residual if residual is not None else out  # unread and unwritten without one
