@@ -14,10 +14,8 @@ Here the logits are read once:
 - the log-probability of the drawn token, ``z_tok - logsumexp(z)``, comes from an online
   max / sum-of-exponentials in the same pass.
 
-Stage 1 splits every row into a few spans (enough programs to fill the GPU at batch 128), each
-walked by one program in tiles, with running statistics (a max and a sum of exponentials per
-tile, the best perturbed logit per lane: one cross-lane reduction at the end instead of five
-per tile); stage 2 combines a row's spans. The seed is read from a
+Stage 1 splits every row into chunks of ``BLOCK`` columns (one program each: enough programs to
+reach HBM bandwidth at batch 128); stage 2 combines a row's chunks. The seed is read from a
 device tensor, so a call never waits for the host and can be captured in a CUDA graph.
 """
 
@@ -32,29 +30,6 @@ import triton.language as tl
 _NEG_INF = tl.constexpr(float("-inf"))
 
 
-BLOCK = 2048
-"""Columns per tile of :func:`gumbel_sample`'s loop."""
-WARPS = 8
-PROGRAMS_PER_SM = 4
-"""Programs per SM the rows are split into (:func:`default_split`)."""
-
-
-def row_counters(vocab: int) -> int:
-    """Philox counters a row owns: ``ceil(V / 4096) * 1024``, column ``c`` of row ``r`` taking
-    output ``c % 4`` of counter ``r * row_counters(V) + c // 4``. (The layout of the earlier
-    one-program-per-4096-columns kernel, so a seed draws the same tokens as it did.)"""
-    return triton.cdiv(vocab, 4096) * 1024
-
-
-def default_split(batch: int, device: torch.device) -> int:
-    """Programs per row: enough that the batch fills :data:`PROGRAMS_PER_SM` programs per SM
-    (1 off CUDA)."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, triton.cdiv(PROGRAMS_PER_SM * sms, batch))
-
-
 @triton.jit
 def _partial(
     x_ptr,
@@ -67,59 +42,38 @@ def _partial(
     g_ptr,
     i_ptr,
     z_ptr,
-    SPLIT,
-    SPAN,
-    ROW_COUNTERS,
+    NCH,
     GREEDY: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # program (row, sp) walks columns [sp * SPAN, (sp + 1) * SPAN) in tiles of BLOCK: a running
-    # max and sum of exponentials (one reduction each per tile) and, per lane, the best
-    # perturbed logit so far with its column and logit (no reduction until the end)
     row = tl.program_id(0)
-    sp = tl.program_id(1)
-    start = sp * SPAN
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    gv = tl.full((BLOCK,), float("-inf"), tl.float32)
-    iv = tl.zeros((BLOCK,), tl.int32)
-    zv = tl.zeros((BLOCK,), tl.float32)
-    base = x_ptr + row.to(tl.int64) * stride
-    lanes = tl.arange(0, BLOCK)
-    for off in range(start, tl.minimum(start + SPAN, V), BLOCK):
-        cols = off + lanes
-        ok = cols < V
-        z = tl.load(base + cols, mask=ok, other=_NEG_INF).to(tl.float32) * inv_temp
-        m_new = tl.maximum(m, tl.max(z, 0))
-        m_safe = tl.where(m_new == _NEG_INF, 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe), 0)
-        m = m_new
-        if GREEDY:
-            g = z
-        else:
-            # one Philox call gives four uniforms (tl.rand would make one call per column and
-            # use one of its four outputs: Philox's integer multiplies, not the bytes, then
-            # bound this kernel); column 4k + j takes output j of counter k of the row
-            k = row * ROW_COUNTERS + off // 4 + tl.arange(0, BLOCK // 4)
-            r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), k)
-            u = tl.uint_to_uniform_float(
-                tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), BLOCK)
-            )
-            g = tl.where(ok, z - tl.log(-tl.log(u)), _NEG_INF)
-        better = g > gv  # ties keep the earlier column, as argmax does
-        gv = tl.where(better, g, gv)
-        iv = tl.where(better, cols, iv)
-        zv = tl.where(better, z, zv)
-    gmax = tl.max(gv, 0)
-    # of the lanes holding the maximum, the smallest column (argmax's first index on ties)
-    best = tl.min(tl.where(gv == gmax, iv, V), 0)
-    pick = (iv == best) & (gv == gmax)
-    out = row * SPLIT + sp
+    ch = tl.program_id(1)
+    cols = ch * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride + cols, mask=ok, other=_NEG_INF)
+    z = x.to(tl.float32) * inv_temp
+    m = tl.max(z, 0)
+    m_safe = tl.where(m == _NEG_INF, 0.0, m)
+    s = tl.sum(tl.exp(z - m_safe), 0)
+    if GREEDY:
+        g = z
+    else:
+        # one Philox call gives four uniforms (tl.rand would make one call per column and
+        # use one of its four outputs: Philox's integer multiplies, not the bytes, then
+        # bound this kernel); column k*4 + j of the chunk takes output j of call k
+        q = tl.arange(0, BLOCK // 4)
+        r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), (row * NCH + ch) * (BLOCK // 4) + q)
+        u = tl.uint_to_uniform_float(tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), BLOCK))
+        g = tl.where(ok, z - tl.log(-tl.log(u)), _NEG_INF)
+    best = tl.argmax(g, 0)
+    gmax = tl.max(g, 0)
+    zsel = tl.sum(tl.where(cols == ch * BLOCK + best, z, 0.0), 0)
+    out = row * NCH + ch
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)
     tl.store(g_ptr + out, gmax)
-    tl.store(i_ptr + out, tl.minimum(best, V - 1))
-    tl.store(z_ptr + out, tl.max(tl.where(pick, zv, _NEG_INF), 0))
+    tl.store(i_ptr + out, ch * BLOCK + best)
+    tl.store(z_ptr + out, zsel)
 
 
 @triton.jit
@@ -147,9 +101,8 @@ def gumbel_sample(
     temperature: float,
     seed: torch.Tensor | None,
     *,
-    block: int = BLOCK,
-    split: int | None = None,
-    num_warps: int = WARPS,
+    block: int = 4096,
+    num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of ``softmax(logits / temperature)`` and its log-probability.
 
@@ -160,10 +113,8 @@ def gumbel_sample(
         seed: ``(1,)`` int64 tensor on ``logits``' device, the Philox seed of this draw
             (same seed and logits give the same tokens); None = greedy (argmax of the logits,
             no randomness).
-        block: vocabulary columns per tile of a program's loop (a power of 2, at least 4:
-            four per Philox call). split: programs per row (None: :func:`default_split`).
-            num_warps: per program. None of the three changes the draws: the random
-            numbers of a column depend only on the seed, its row and its index.
+        block: vocabulary columns per program (a power of 2, at least 4: four per Philox
+            call). num_warps: per program.
 
     Returns:
         ``(tokens (batch,) int64, log_probs (batch,) float32)``, ``log_probs`` being
@@ -171,8 +122,7 @@ def gumbel_sample(
         log-probability (no host check here: callers test it at their own sync points).
 
     Raises:
-        ValueError: bad shape, device or temperature; ``block`` not a power of 2 >= 4;
-            ``split`` < 1.
+        ValueError: bad shape, device or temperature; ``block`` not a power of 2 >= 4.
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(
@@ -184,17 +134,12 @@ def gumbel_sample(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if block < 4 or block & (block - 1):
         raise ValueError(f"block must be a power of 2, at least 4, got {block}")
-    if split is not None and split < 1:
-        raise ValueError(f"split must be >= 1, got {split}")
     if seed is not None and (seed.numel() != 1 or seed.device != logits.device):
         raise ValueError("seed must be a one-element tensor on the logits' device")
     B, V = logits.shape
-    if split is None:
-        split = default_split(B, logits.device)
-    span = triton.cdiv(triton.cdiv(V, split), block) * block  # whole tiles per program
-    nch = triton.cdiv(V, span)
+    nch = triton.cdiv(V, block)
     dev = logits.device
-    # one fp32 work buffer for the per-program partials (three statistics and the chosen
+    # one fp32 work buffer for the per-chunk partials (three statistics and the chosen
     # token's scaled logit): the sampler runs once per decode step, so fewer allocations
     *parts, zsel = torch.empty(4, B * nch, dtype=torch.float32, device=dev).unbind(0)
     idx = torch.empty(B * nch, dtype=torch.int32, device=dev)
@@ -211,8 +156,6 @@ def gumbel_sample(
         idx,
         zsel,
         nch,
-        span,
-        row_counters(V),
         GREEDY=seed is None,
         BLOCK=block,
         num_warps=num_warps,
