@@ -136,6 +136,7 @@ def decode_attention(
     split: int | None = None,
     block_n: int = 64,
     num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over the cache's first ``length`` slots.
 
@@ -149,6 +150,8 @@ def decode_attention(
         split: slots per program (a multiple of ``block_n``); None: chosen by
             :func:`default_split`. block_n: slots per inner step; num_warps: per program of
             the split kernel. With one split the first kernel writes the output itself.
+            num_stages: software-pipelining depth of the split kernel's loop (None: Triton's
+            default).
 
     Returns:
         ``(B, Hq, D)`` in ``q``'s dtype: ``softmax(q k^T * scale, masked) v`` per query head.
@@ -192,6 +195,7 @@ def decode_attention(
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], kv_valid.stride(0),
         out.stride(0), out.stride(1), scale, G, nsplit,
         SPLIT=split, BLOCK_N=block_n, G_P2=g_p2, D=D, DIRECT=direct, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     if direct:
         return out
