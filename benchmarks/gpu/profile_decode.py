@@ -10,9 +10,8 @@ of a few steps of each.
     python benchmarks/gpu/profile_decode.py [--shape qwen05b] [--layers N] [--batch 128]
         [--prompt 256] [--new 256] [--tables] [--sweep]
 
-Four decoders in turn: the default (decode kernels, fused q/k/v and gate/up projections,
-SiLU-mul inside the down projection), without the SiLU-mul kernel, without the fused
-projections too, and without any of them.
+Three decoders in turn: the default (decode kernels and fused q/k/v, gate/up projections),
+without the fused projections, and without either.
 """
 
 from __future__ import annotations
@@ -71,16 +70,15 @@ def _table(fn, n: int, title: str) -> None:
     )
 
 
-def _measure(model, ids, mask, S, R, params, kernel, fused, mlp, a, floors) -> None:
-    """Time one decoder (decode kernels on or off, fused projections on or off, SiLU-mul in
-    the down projection on or off) and print its line (and tables)."""
+def _measure(model, ids, mask, S, R, params, kernel, fused, a, floors) -> None:
+    """Time one decoder (decode kernels on or off, fused projections on or off) and print
+    its line (and tables)."""
     from verl_ppo.rollout.cuda_graph import StaticCacheDecoder
     from verl_ppo.rollout.sampler import sample_next
 
     (B, P), (floor, step_floor) = ids.shape, floors
     dec = StaticCacheDecoder(model, max_seq_len=S, use_cuda_graph=not a.eager)
     dec.tp_model.decode_kernel = kernel and dec.tp_model.decode_kernel
-    dec.tp_model.mlp_kernel = mlp and dec.tp_model.mlp_kernel
     if not fused:
         dec.tp_model.fused = None
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -101,13 +99,12 @@ def _measure(model, ids, mask, S, R, params, kernel, fused, mlp, a, floors) -> N
     t_samp = _timed(lambda: sample_next(logits, params, gen), 50)
     print(
         f"decode_kernel={dec.tp_model.decode_kernel} fused={dec.tp_model.fused is not None} "
-        f"mlp_kernel={dec.tp_model.mlp_kernel} "
         f"graph={not a.eager}: rollout B={B} P={P} "
         f"R={R} {t_roll:.4f} s, floor {floor:.4f} s -> {floor / t_roll:.1%} of floor; prefill "
         f"{t_pre * 1e3:.2f} ms; model step {t_step * 1e3:.3f} ms; sampler {t_samp * 1e3:.3f} "
         f"ms; per step incl. loop {(t_roll - t_pre) / R * 1e3:.3f} ms (floor {step_floor * 1e3:.3f} ms)"
     )
-    if kernel and fused and mlp and a.tables:
+    if kernel and fused and a.tables:
         _table(lambda: dec.decode(tok, pos, P + 100), 10, "decode step (model)")
         _table(lambda: sample_next(logits, params, gen), 10, "sampler")
 
@@ -179,14 +176,8 @@ def main() -> None:
     step_floor = (floor - mf.forward(torch.full((B,), P), B) / peak[0]) / R
     if a.sweep:
         _sweep_attention(B, S, P + 100)
-    variants = (
-        (True, True, True),
-        (True, True, False),
-        (True, False, False),
-        (False, False, False),
-    )
-    for kernel, fused, mlp in variants:
-        _measure(model, ids, mask, S, R, params, kernel, fused, mlp, a, (floor, step_floor))
+    for kernel, fused in ((True, True), (True, False), (False, False)):
+        _measure(model, ids, mask, S, R, params, kernel, fused, a, (floor, step_floor))
 
 
 if __name__ == "__main__":

@@ -230,9 +230,6 @@ class TPCausalLM:
             and hd >= 16
             and hd & (hd - 1) == 0
         )
-        # single-token steps run SiLU-mul inside a split-K down projection
-        # (kernels/silu_down.py) where the fused gate/up GEMM exists and has no bias
-        self.mlp_kernel = self.decode_kernel and self.silu
         if self.llama:
             theta = _rope_theta(config)
             hd = d.head_dim
@@ -374,19 +371,6 @@ class TPCausalLM:
             u = F.linear(h, w[n.param(i, "up")], w.get(n.param(i, "up", "bias")))
         return _silu_mul(g, u) if self.silu else self.act(g) * u
 
-    def _mlp_down(self, i: int, h: torch.Tensor, decode: bool) -> torch.Tensor:
-        """The MLP's down projection of ``act(gate) * up`` (this member's partial sum under
-        TP); a decode step with the fused gate/up GEMM runs the SiLU-mul inside the down
-        GEMM (kernels/silu_down.py)."""
-        down = self.w[self.names.param(i, "down")]
-        f = self.fused[i] if self.fused is not None else None
-        if decode and self.mlp_kernel and f is not None and f.gate_up_b is None:
-            from verl_comm.kernels.silu_down import MAX_ROWS, silu_mul_linear
-
-            if h.shape[0] * h.shape[1] <= MAX_ROWS:
-                return silu_mul_linear(F.linear(h, f.gate_up_w), down)
-        return F.linear(self._mlp(i, h), down)
-
     def _decode_attend(self, q, layer: int, cache: KVCache, mask, length) -> torch.Tensor:
         """Split-K decode attention (kernels/decode_attention.py) of ``q (B, nq, D)`` over
         the cache's first ``length`` slots under ``mask (B, 1, 1, S)``; ``(B, 1, nq * D)``."""
@@ -433,7 +417,7 @@ class TPCausalLM:
         if n.param(i, "o", "bias") in w:
             o = o + w[n.param(i, "o", "bias")]
         x, h = _add_rms_norm(x, o, w[n.param(i, "mlp_norm")], self.eps)
-        m = self.tp.all_reduce(self._mlp_down(i, h, length is not None))
+        m = self.tp.all_reduce(F.linear(self._mlp(i, h), w[n.param(i, "down")]))
         if n.param(i, "down", "bias") in w:
             m = m + w[n.param(i, "down", "bias")]
         return x, m
