@@ -130,7 +130,8 @@ def _sweep_attention(B: int, S: int, L: int) -> None:
     )
     print(f"sdpa (B,2,7,64) x (B,2,{S},64) masked: {_graph_time(sdpa) * 1e6:.1f} us")
     for split, block_n, warps in [(128, 64, 4), (64, 64, 4), (256, 64, 4), (128, 128, 4),
-                                  (128, 64, 8), (256, 128, 8), (512, 64, 4), (64, 32, 2)]:  # fmt: skip
+                                  (128, 64, 8), (256, 128, 8), (512, 64, 4), (64, 32, 2),
+                                  (512, 128, 4), (512, 128, 8)]:  # fmt: skip
         fn = functools.partial(
             decode_attention, q, k, v, valid, length, 0.125, split=split, block_n=block_n,
             num_warps=warps,
