@@ -148,11 +148,9 @@ def decode_attention(
             must have a valid slot below it).
         scale: softmax scale (``1/sqrt(D)``).
         split: slots per program (a multiple of ``block_n``); None: chosen by
-            :func:`default_split`. block_n: slots per inner step (128: on one H100 at
-            B = 128, Hkv = 2, S = 512, one split, 11.1 us against 13.5 us for 64 at 511
-            written slots and 9.0 against 9.3 us at 300, ``benchmarks/gpu/profile_decode.py
-            --sweep``); num_warps: per program of
-            the split kernel. With one split the first kernel writes the output itself.
+            :func:`default_split`. block_n: slots per inner step (launches compared by
+            ``benchmarks/gpu/profile_decode.py --sweep``); num_warps: per program of the
+            split kernel. With one split the first kernel writes the output itself.
             num_stages: software-pipelining depth of the split kernel's loop (None: Triton's
             default).
 
