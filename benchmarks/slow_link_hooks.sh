@@ -35,7 +35,7 @@ ARGS=(--cpu --transport shaped_veth --link-mbit "$MBIT" --run-id "$RUN_ID" --wor
 if [ "${TRACE:-0}" = 1 ]; then  # per-bucket timeline instead (benchmarks/slow_link_trace.py)
   for r in $(seq 0 $((WORLD - 1))); do
     ns=$NS0 dev=$V0; [ "$r" -ge $((WORLD / 2)) ] && ns=$NS1 dev=$V1
-    ip netns exec "$ns" env RANK=$r WORLD_SIZE=$WORLD MASTER_ADDR=$ADDR0 MASTER_PORT=29561 \
+    ip netns exec "$ns" env RANK=$r GROUP_RANK=$((r / (WORLD / 2))) WORLD_SIZE=$WORLD MASTER_ADDR=$ADDR0 MASTER_PORT=29561 \
       GLOO_SOCKET_IFNAME="$dev" OMP_NUM_THREADS=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" \
       timeout "${ATTEMPT_S:-900}" $PY benchmarks/slow_link_trace.py --methods "${METHODS}" ${TRACE_ARGS:-} &
   done
@@ -46,7 +46,7 @@ attempt() {  # $1 = methods; returns the worst rank exit code
   local pids=() rc=0 half=$((WORLD / 2))
   for r in $(seq 0 $((WORLD - 1))); do
     ns=$NS0 dev=$V0; [ "$r" -ge $half ] && ns=$NS1 dev=$V1
-    ip netns exec "$ns" env RANK=$r LOCAL_RANK=$((r % half)) WORLD_SIZE=$WORLD MASTER_ADDR=$ADDR0 \
+    ip netns exec "$ns" env RANK=$r LOCAL_RANK=$((r % half)) GROUP_RANK=$((r / half)) LOCAL_WORLD_SIZE=$half WORLD_SIZE=$WORLD MASTER_ADDR=$ADDR0 \
       MASTER_PORT=29561 GLOO_SOCKET_IFNAME="$dev" OMP_NUM_THREADS=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" \
       timeout "${ATTEMPT_S:-900}" $PY benchmarks/comm_hooks.py "${ARGS[@]}" --methods "$1" \
       2> >(tee "$LOGDIR/rank$r.err" >&2) &

@@ -99,6 +99,9 @@ class ProcessGroupCollective:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.bytes_sent = 0
+        self.hierarchy = None
+        """A :class:`~verl_comm.compression.hier_int8.Hierarchy` over the same ranks (hosts
+        x local ranks), where the hooks made one (:mod:`verl_comm.hooks.hierarchy`)."""
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         w = self.world_size

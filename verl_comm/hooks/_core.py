@@ -45,6 +45,7 @@ from verl_comm.compression.collective import (
     LoopbackCollective,
     ProcessGroupCollective,
 )
+from verl_comm.compression.hier_int8 import chunk_numel, hier_int8_allreduce, owned_span
 from verl_comm.compression.int8_allreduce import (
     cast_allreduce,
     host_slice_numel,
@@ -68,7 +69,7 @@ from verl_comm.compression.policy import (
     time_call,
 )
 
-from . import direct, measure, resume, trial
+from . import direct, hierarchy, measure, resume, trial
 from .bucket import Keep, keep_ranges
 from .graphs import run_path
 from .lanes import COMPRESSING, bucket_keys, lane_of
@@ -147,7 +148,17 @@ def reduce_int8(
             buf[off : off + n].zero_()
         if state.collect_stats:
             in_sq = (buf.float() + res.float()).square().sum()
-    r = int8_allreduce(buf, coll, block=cfg.quant_block, residual=res, out=buf)
+    hier = getattr(coll, "hierarchy", None)
+    if hier is not None:  # int8 across hosts only (CompressionConfig.hierarchical)
+        span = owned_span(buf.numel(), hier, cfg.quant_block)
+        fold = bs.residual_span != span
+        r = hier_int8_allreduce(
+            buf, hier, block=cfg.quant_block, residual=res, fold_residual=fold, out=buf
+        )
+        bs.residual_span = span if res is not None and not saved else None
+    else:
+        r = int8_allreduce(buf, coll, block=cfg.quant_block, residual=res, out=buf)
+        bs.residual_span = None
     for off, n, old in saved:
         res[off : off + n].copy_(old)
     err_sq = res.float().square().sum() if (res is not None and state.collect_stats) else None
@@ -242,12 +253,23 @@ PATHS: dict[str, Callable[..., PathResult]] = {
 
 
 def compressed_wire(
-    state: CommHookState, bs: BucketState, method: str, buf: torch.Tensor, w: int
+    state: CommHookState,
+    bs: BucketState,
+    method: str,
+    buf: torch.Tensor,
+    w: int,
+    hier: Any = None,
 ) -> tuple[int, int]:
-    """``(bytes sent per rank, number of collectives)`` of ``method`` on this bucket."""
+    """``(bytes sent per rank, number of collectives)`` of ``method`` on this bucket, in the
+    link model's terms (a flat ring's bytes per rank). Hierarchical int8 (``hier``): what
+    crosses the link, L ranks' int8 bytes across hosts (the host's own traffic is left out)."""
     b = state.config.quant_block
     if method in _CAST:
         return ring_allreduce_wire_bytes(buf.numel(), w, 2), 1
+    if method == "int8" and hier is not None:
+        m = chunk_numel(buf.numel(), hier, b)
+        lw, hw = hier.intra.world_size, hier.inter.world_size
+        return lw * int8_allreduce_wire_bytes(m, hw, b), 4
     if method == "int8":
         return int8_allreduce_wire_bytes(buf.numel(), w, b), 2
     plan = bucket_plan(state, bs, buf.numel())
@@ -305,7 +327,7 @@ def policy_decision(
     shadow_s = -neg_shadow
     options = {}
     for m, c in zip(names, compute_s):
-        wire, calls = compressed_wire(state, bs, m, buf, w)
+        wire, calls = compressed_wire(state, bs, m, buf, w, getattr(coll, "hierarchy", None))
         lead = None
         if m == "int8" and buf.device.type == "cpu" and w > 1:  # pipelined host slices
             lead = c / -(-buf.numel() // host_slice_numel(buf.numel(), w, state.config.quant_block))
@@ -408,6 +430,8 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     measuring = measure.measuring(state, method in COMPRESSING and state.config.policy == "auto")
     if _uses_worker(state, dev) and direct.applies(state, method, measuring):
         return direct.run_direct_cast(state, buf, index, shapes, method, is_last, pids)
+    if _uses_worker(state, dev) and hierarchy.wants(state.config, method):
+        hierarchy.attach(state, state.collective)  # once; every rank at its first hook call
     cast = trial.cast_plan(state) if _uses_worker(state, dev) and method in COMPRESSING else None
     if cast is not None:  # policy auto, a step whose plan casts every bucket: torch's order
         path = cast.get(index, "bf16" if buf.dtype == torch.float32 else "fp16")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from verl_comm.compression.collective import Collective, ProcessGroupCollective
 
-from . import trial
+from . import hierarchy, trial
 from .state import BucketState, CommHookState
 
 COMPRESSING = ("fp16", "bf16", "int8", "lowrank_int8")
@@ -85,7 +85,10 @@ def lane_of(
 
         def make() -> Collective:
             # every rank makes it (WORLD), in the same order: a numbered group name
-            return ProcessGroupCollective(dist.new_group(backend=dist.get_backend()))
+            coll = ProcessGroupCollective(dist.new_group(backend=dist.get_backend()))
+            if hierarchy.wants(state.config, method):
+                hierarchy.attach(state, coll)
+            return coll
 
         worker.open_lanes(LANES, make)
     return index % LANES

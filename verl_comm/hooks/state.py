@@ -83,6 +83,7 @@ class BucketState:
     graph_seen: tuple | None = None
     graph_captures: int = 0
     params: tuple[int, ...] | None = None  # indices in ddp_model.parameters(), if known
+    residual_span: tuple[int, int] | None = None  # where ``residual`` may be non-zero (None: all)
 
     def _tensors(self) -> list[torch.Tensor]:
         lr = self.lowrank
@@ -174,6 +175,7 @@ class CommHookState:
         self.nonfinite_events: list[tuple[int, int]] = []
         self.link: LinkModel | None = None
         self._coll: Collective | None = collective
+        self._host_layout: list[list[int]] | None = None  # hooks.hierarchy; [] = flat
         self._pending: list[BucketRecord] = []
         self._streams: dict[torch.device, Any] = {}
         self._deferred: dict[str, Any] | None = None

@@ -1,0 +1,154 @@
+"""The hierarchical int8 all-reduce (verl_comm/compression/hier_int8.py) on in-memory ranks:
+H hosts x L local ranks, one thread per rank, a ThreadGroup per host and per local rank."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.verl_comm.test_compression import run_ranks
+from verl_comm.compression.collective import ThreadGroup
+from verl_comm.compression.hier_int8 import (
+    Hierarchy,
+    hier_int8_allreduce,
+    hier_int8_allreduce_wire_bytes,
+    owned_span,
+)
+from verl_comm.compression.int8_allreduce import int8_allreduce
+
+
+def run_hier(hosts: int, local: int, fn):
+    """Run ``fn(rank, Hierarchy)`` for rank = host * local + l in threads; results by rank."""
+    intra = [ThreadGroup(local, timeout_s=30) for _ in range(hosts)]
+    inter = [ThreadGroup(hosts, timeout_s=30) for _ in range(local)]
+    world = hosts * local
+    out: list = [None] * world
+    errors: list = []
+
+    def target(r):
+        h, lr = divmod(r, local)
+        try:
+            out[r] = fn(r, Hierarchy(intra[h].collective(lr), inter[lr].collective(h)))
+        except BaseException as e:  # pragma: no cover - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _bound(per_host_avg: torch.Tensor, hosts: int) -> float:
+    """Largest error of one reduction: half a step of a host's block (scale absmax / 127)
+    and half a step of the owner's requantized sum (at most H x that absmax), over H."""
+    a = float(per_host_avg.abs().max())
+    return (hosts * a / 254 + hosts * a / 254) / hosts * 1.001 + 1e-7
+
+
+@pytest.mark.parametrize("hosts,local,n", [(2, 2, 3000), (2, 3, 1000), (3, 2, 777)])
+def test_average_identical_and_within_bound(hosts, local, n):
+    world = hosts * local
+    g = torch.Generator().manual_seed(n)
+    xs = [torch.randn(n, generator=g) for _ in range(world)]
+    mean = torch.stack(xs).mean(0)
+    host_avg = torch.stack(
+        [torch.stack(xs[h * local : (h + 1) * local]).mean(0) for h in range(hosts)]
+    )
+
+    def fn(r, hier):
+        res = torch.zeros(n)
+        x = xs[r].clone()
+        out = hier_int8_allreduce(x, hier, block=32, residual=res)
+        assert torch.equal(x, xs[r])  # the input is left alone
+        return out, res, hier.bytes_sent
+
+    outs = run_hier(hosts, local, fn)
+    for o, _, _ in outs[1:]:
+        assert torch.equal(o.out, outs[0][0].out)
+    assert (outs[0][0].out - mean).abs().max() <= _bound(host_avg, hosts)
+    assert all(bool(o.finite) for o, _, _ in outs)
+    # each rank keeps the residual of its own chunk only; bytes counted where they are sent
+    for r, (o, res, sent) in enumerate(outs):
+        lo, hi = owned_span(n, Hierarchy(*_fake(hosts, local, r)), 32)
+        assert bool((res[:lo] == 0).all()) and bool((res[hi:] == 0).all())
+        assert o.wire_bytes == sent
+        assert sent == hier_int8_allreduce_wire_bytes(n, Hierarchy(*_fake(hosts, local, r)), 32)
+
+
+class _Stub:
+    def __init__(self, world_size: int, rank: int) -> None:
+        self.world_size, self.rank, self.bytes_sent = world_size, rank, 0
+
+
+def _fake(hosts, local, r):
+    h, lr = divmod(r, local)
+    return _Stub(local, lr), _Stub(hosts, h)
+
+
+def test_error_feedback_as_in_the_flat_scheme():
+    """Repeated with the same inputs, the outputs' running sum drifts from T x the mean only
+    by the owner's requantization errors (not fed back, as in the flat two-step scheme):
+    error feedback holds the drift to that of the flat int8 all-reduce on the same ranks,
+    and well under the drift without it, which grows by a full step's error each step."""
+    hosts, local, n, steps = 2, 2, 512, 24
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, generator=g) for _ in range(hosts * local)]
+    target = steps * torch.stack(xs).mean(0).double()
+
+    def run(reduce, ef):
+        res = torch.zeros(n) if ef else None
+        acc = torch.zeros(n, dtype=torch.float64)
+        for _ in range(steps):
+            acc += reduce(res).out.double()
+        return float((acc - target).abs().max())
+
+    def hier(ef):
+        return run_hier(
+            hosts,
+            local,
+            lambda r, h: run(lambda res: hier_int8_allreduce(xs[r], h, residual=res), ef),
+        )[0]
+
+    flat = run_ranks(
+        hosts * local, lambda r, c: run(lambda res: int8_allreduce(xs[r], c, residual=res), True)
+    )[0]
+    with_ef, without = hier(True), hier(False)
+    assert with_ef <= 1.5 * flat
+    assert with_ef <= 0.5 * without
+
+
+def test_fold_keeps_a_flat_steps_error():
+    """A residual left over the whole bucket (a flat int8 step) is added once and zeroed
+    outside the owned span: the sum sent equals inputs + residuals."""
+    hosts, local, n = 2, 2, 256
+    xs = [torch.full((n,), float(r)) for r in range(4)]
+    left = [torch.full((n,), 0.25) for _ in range(4)]
+
+    def fn(r, hier):
+        res = left[r].clone()
+        out = hier_int8_allreduce(xs[r], hier, residual=res).out
+        lo, hi = owned_span(n, hier)
+        assert bool((res[:lo] == 0).all()) and bool((res[hi:] == 0).all())
+        return out
+
+    outs = run_hier(hosts, local, fn)
+    # (0 + 1 + 2 + 3) / 4 + 0.25; the inputs are constant per block: int8 is exact here
+    assert torch.allclose(outs[0], torch.full((n,), 1.75), atol=1e-6)
+
+
+def test_nonfinite_on_one_rank_is_seen_by_every_rank():
+    hosts, local, n = 2, 2, 300
+
+    def fn(r, hier):
+        x = torch.ones(n)
+        if r == 3:
+            x[7] = float("nan")
+        return bool(hier_int8_allreduce(x, hier).finite)
+
+    assert run_hier(hosts, local, fn) == [False] * 4

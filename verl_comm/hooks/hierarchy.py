@@ -1,0 +1,80 @@
+"""Which ranks share a host, and the hierarchical collectives of the int8 path (gloo).
+
+``CompressionConfig.hierarchical: auto``: where the hooks' process group is WORLD and spans
+two or more hosts with the same number (two or more) of ranks each, every collective the
+int8 path runs on (the state's, each worker lane's) gets a
+:class:`~verl_comm.compression.hier_int8.Hierarchy`: a group per host and a group per local
+rank, made from the ranks of that collective (``torch.distributed.new_subgroups_by_enumeration``,
+which every rank of WORLD must call, in the same order: the hook body of the same bucket).
+A host is told apart by torchrun's ``GROUP_RANK`` (its node rank; two network namespaces of
+one machine share a host name), else by the host name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch.distributed as dist
+
+from verl_comm.compression.collective import ProcessGroupCollective
+from verl_comm.compression.hier_int8 import Hierarchy
+
+logger = logging.getLogger("verl_comm.hooks")
+
+
+def host_key() -> str:
+    """This process's host: ``node <GROUP_RANK>`` under torchrun, else the host name."""
+    node = os.environ.get("GROUP_RANK")
+    return f"node {node}" if node is not None else f"host {socket.gethostname()}"
+
+
+def host_layout(keys: list[str]) -> list[list[int]] | None:
+    """The ranks of each host (in rank order, hosts in order of their first rank) from every
+    rank's :func:`host_key`, or None unless there are >= 2 hosts of the same >= 2 ranks."""
+    hosts: dict[str, list[int]] = {}
+    for r, k in enumerate(keys):
+        hosts.setdefault(k, []).append(r)
+    groups = list(hosts.values())
+    sizes = {len(g) for g in groups}
+    if len(groups) < 2 or len(sizes) != 1 or sizes.pop() < 2:
+        return None
+    return groups
+
+
+def wants(config, method: str) -> bool:
+    """Whether the hooks of ``method`` may run the int8 all-reduce of a whole bucket."""
+    if config.hierarchical == "off":
+        return False
+    return method == "int8" or (config.policy == "auto" and method == "lowrank_int8")
+
+
+def attach(state, coll: ProcessGroupCollective) -> None:
+    """Give ``coll`` its :class:`Hierarchy` where the layout allows (see the module
+    docstring); the layout is gathered once per state (one ``all_gather_object``). Call on
+    every rank at the same point."""
+    if coll.hierarchy is not None or state.config.hierarchical == "off":
+        return
+    if coll.group is not None and coll.group != dist.group.WORLD:
+        return  # subgroups would need every rank of WORLD to make them with us
+    if state._host_layout is None:
+        keys: list = [None] * coll.world_size
+        dist.all_gather_object(keys, host_key(), group=coll.group)
+        state._host_layout = host_layout(keys) or []
+        if state._host_layout:
+            hosts = state._host_layout
+            logger.info(
+                "comm hook: int8 all-reduce is hierarchical over %d hosts x %d ranks "
+                "(fp32 inside a host, int8 across; CompressionConfig.hierarchical=off: flat)",
+                len(hosts),
+                len(hosts[0]),
+            )
+    hosts = state._host_layout
+    if not hosts:
+        return
+    backend = dist.get_backend(coll.group)
+    intra, _ = dist.new_subgroups_by_enumeration(hosts, backend=backend)
+    local = [[h[i] for h in hosts] for i in range(len(hosts[0]))]
+    inter, _ = dist.new_subgroups_by_enumeration(local, backend=backend)
+    coll.hierarchy = Hierarchy(ProcessGroupCollective(intra), ProcessGroupCollective(inter))
