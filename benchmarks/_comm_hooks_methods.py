@@ -19,6 +19,8 @@ REDUCER = {"reducer_none": {}, "reducer_int8": {"gradient_compression": "int8"}}
 OURS_FIXED = {  # name -> CompressionConfig fields
     "ours_bf16": {"gradient_compression": "bf16"},
     "ours_int8": {"gradient_compression": "int8"},
+    # the flat two-step int8 all-reduce where hosts x local ranks would make it hierarchical
+    "ours_int8_flat": {"gradient_compression": "int8", "hierarchical": "off"},
     "ours_auto": {"gradient_compression": "int8", "compression_rank": 64, "policy": "auto"},
 }
 METHODS = (

@@ -55,10 +55,11 @@ def run_all(rank: int, world: int) -> dict:
         state.flush()
         out[mode] = {
             "hier": state.collective.hierarchy is not None,
+            "lanes": [c.hierarchy is not None for c in state.worker()._colls[1:]],
             "methods": sorted({s.method for s in state.last_stats.values()}),
             "grads": grads,
             "errs": errs,
-            "residual_spans": sorted(str(b.residual_span) for b in state.buckets.values()),
+            "residuals": [(b.signature[0], b.residual.numel()) for b in state.buckets.values()],
         }
         state.close()
     return out
@@ -78,10 +79,14 @@ def results() -> list[dict]:
 def test_two_hosts_use_the_hierarchy_and_off_does_not(results):
     for r in results:
         assert r["auto"]["hier"] and not r["off"]["hier"]
+        assert len(r["auto"]["lanes"]) == 3 and all(r["auto"]["lanes"])  # the worker's lanes
+        assert not any(r["off"]["lanes"])
         assert r["auto"]["methods"] == r["off"]["methods"] == ["int8"]
-        # auto: each rank keeps the residual of its own chunk of each bucket only
-        assert all(s != "None" for s in r["auto"]["residual_spans"])
-        assert all(s == "None" for s in r["off"]["residual_spans"])
+        # error feedback: the bucket's residual, plus (hierarchical) this rank's chunk of
+        # its host's average: N / L elements padded to whole blocks (quant_block 32, 2 x 2)
+        assert r["auto"]["residuals"] and r["off"]["residuals"]
+        assert all(k == n + -(-n // 128) * 128 // 2 for n, k in r["auto"]["residuals"])
+        assert all(k == n for n, k in r["off"]["residuals"])
 
 
 def test_gradients_identical_on_every_rank_and_within_int8_error(results):

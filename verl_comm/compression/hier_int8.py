@@ -30,10 +30,18 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_comm.kernels import padded_numel
+from verl_comm.kernels import (
+    dequant_sum_requant,
+    dequantize,
+    packed_nbytes,
+    padded_numel,
+    quantize,
+    quantize_ef,
+    unpack,
+)
 
 from .collective import Collective
-from .int8_allreduce import ReduceResult, int8_allreduce
+from .int8_allreduce import ReduceResult, _owner
 
 
 @dataclass(frozen=True)
@@ -67,25 +75,16 @@ def chunk_numel(numel: int, hier: Hierarchy, block: int = 128) -> int:
     return padded_numel(numel, block, multiple=lw * hw) // lw
 
 
-def owned_span(numel: int, hier: Hierarchy, block: int = 128) -> tuple[int, int]:
-    """``[lo, hi)``: the elements of ``(N,)`` whose error-feedback residual this rank keeps
-    (its chunk, clipped to N)."""
-    m = chunk_numel(numel, hier, block)
-    lo = min(hier.intra.rank * m, numel)
-    return lo, min(lo + m, numel)
-
-
 def hier_int8_allreduce_wire_bytes(numel: int, hier: Hierarchy, block: int = 128) -> int:
     """Bytes one rank sends in :func:`hier_int8_allreduce` (both levels), 0 for N = 0."""
-    from .int8_allreduce import int8_allreduce_wire_bytes
-
     if numel == 0:
         return 0
     lw, hw = hier.intra.world_size, hier.inter.world_size
     m = chunk_numel(numel, hier, block)
-    # all-to-all (L-1)/L x L*M fp32; all-gather (L-1) x (M + 1) fp32 (the verdict element)
-    intra = (lw - 1) * m * 4 + (lw - 1) * (m + 1) * 4
-    return intra + int8_allreduce_wire_bytes(m, hw, block)
+    sub = packed_nbytes(m // hw, block)
+    # inside: all-to-all (L-1)/L x L packed chunks, all-gather (L-1) x H packed sub-chunks;
+    # across: all-to-all (H-1)/H x H packed sub-chunks, all-gather (H-1) x one
+    return (lw - 1) * packed_nbytes(m, block) + (lw - 1) * hw * sub + 2 * (hw - 1) * sub
 
 
 def hier_int8_allreduce(
@@ -94,27 +93,44 @@ def hier_int8_allreduce(
     *,
     block: int = 128,
     residual: torch.Tensor | None = None,
-    fold_residual: bool = True,
+    host_residual: torch.Tensor | None = None,
     average: bool = True,
     out: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> ReduceResult:
-    """Sum (or average) a flat tensor over the L x H ranks of ``hier``, int8 across hosts.
+    """Sum (or average) a flat tensor over the L x H ranks of ``hier``, int8 on every hop.
+
+    Steps, for this rank's local rank ``l`` (chunks of M elements, :func:`chunk_numel`, each
+    H sub-chunks of whole blocks):
+
+    1. inside the host: ``quantize_ef`` of ``x`` (error feedback into ``residual``, as the
+       flat scheme) into L packed rows, an all-to-all, and the fp32 sum of the L received
+       rows (``dequant_sum_requant``'s sum): this host's sum of chunk ``l``;
+    2. across hosts, the two-step int8 scheme on that chunk: ``quantize_ef`` of the host's
+       average (error feedback into ``host_residual``) into H packed sub-chunks, an
+       all-to-all, the owner's ``dequant_sum_requant``, an all-gather of the packed
+       requantized sub-chunks;
+    3. inside the host: an all-gather of those packed codes and scales; every rank
+       dequantizes all L chunks, so the result is the same bit for bit everywhere, and the
+       finiteness verdict is read from all scales.
+
+    Three quantizations where the flat scheme has two; the first two are fed back, the
+    owner's is not (as in the flat scheme). ``residual`` has the flat scheme's shape and
+    meaning, so a flat step and a hierarchical one can follow each other.
 
     Args:
         x: contiguous ``(N,)`` fp32/bf16/fp16 tensor, this rank's contribution (not
             modified unless ``out`` aliases it).
         hier: the :class:`Hierarchy` (blocking collectives; the same on every rank of a host).
         block: quantization block B in {32, 64, 128, 256}.
-        residual: optional ``(N,)`` error-feedback residual (fp32, bf16, or ``x``'s dtype).
-            Its span :func:`owned_span` holds the error of this host's reduction of the
-            chunk, in units of one rank's gradient (as the flat scheme's residual: it can be
-            added to this rank's input), updated in place; None disables error feedback.
-        fold_residual: whether the residual outside the owned span may be non-zero (error
-            left by a flat int8 step): it is then added to this rank's contribution and
-            zeroed, so no error is dropped. False skips that pass (the caller knows it is
-            zero).
+        residual: optional ``(N,)`` error-feedback residual (``x``'s dtype, fp32, or bf16
+            for fp32 ``x``), updated in place; None disables error feedback.
+        host_residual: optional ``(M,)`` residual of this rank's chunk of the host's
+            average (fp32 or bf16), updated in place; None: that quantization's error is
+            not fed back.
         average: divide the sum by W.
         out: optional contiguous ``(N,)`` float tensor for the result (may alias ``x``).
+        backend: the kernel launchers' (``"auto"``; tests pass ``"triton"``).
 
     Returns:
         :class:`ReduceResult`: ``out`` (fp32 by default), identical bit for bit on every
@@ -131,47 +147,44 @@ def hier_int8_allreduce(
         return ReduceResult(out, 0, torch.ones((), dtype=torch.bool, device=x.device))
     x = x.reshape(-1)
     intra, inter = hier.intra, hier.inter
-    lw, lr = intra.world_size, intra.rank
+    lw, hw = intra.world_size, inter.world_size
     sent0 = hier.bytes_sent
     m = chunk_numel(n, hier, block)
-    lo, hi = owned_span(n, hier, block)
-    # 1. reduce-scatter inside the host: rows of an (L, M) fp32 buffer, padded with zeros
-    send = torch.zeros(lw, m, dtype=torch.float32, device=x.device)
-    flat = send.view(-1)
-    flat[:n].copy_(x)
-    if residual is not None and fold_residual:  # a flat step's error outside the span
-        for a, b in ((0, lo), (hi, n)):
-            if b > a:
-                flat[a:b].add_(residual[a:b].float())
-                residual[a:b].zero_()
+    sub = m // hw
+    dev = x.device
+    # 1. int8 reduce-scatter inside the host
+    send = torch.empty(lw, packed_nbytes(m, block), dtype=torch.uint8, device=dev)
+    rows = unpack(send, block)
+    if residual is None:
+        quantize(x, block, pad_to=lw * m, out=rows, backend=backend)
+    else:
+        quantize_ef(x, residual.view(-1), block, pad_to=lw * m, out=rows, backend=backend)
     recv = torch.empty_like(send)
-    intra.all_to_all_single(recv.view(-1), flat)
-    del send, flat
-    chunk = recv.sum(0)
-    del recv
+    intra.all_to_all_single(recv.view(-1), send.view(-1))
+    del send, rows
+    rc, rs = unpack(recv, block)
+    *_, host = dequant_sum_requant(rc, rs, block, return_sum=True, backend=backend)
+    del recv, rc, rs
+    # 2. int8 across hosts: the host's average, requantized into H packed sub-chunks
     if average and lw > 1:
-        chunk.mul_(1.0 / lw)
-    # 2. int8 across hosts, into this rank's row of the all-gather buffer; one extra element
-    # per row carries the row's verdict (0 or NaN), so every rank reads the same verdict
-    gathered = torch.empty(lw, m + 1, dtype=torch.float32, device=x.device)
-    row = gathered[lr]
-    # the residual is kept in this rank's units (an error e of the host's average is L e of
-    # one rank's gradient), so a flat step and a hierarchical one can follow each other
-    unit = float(lw) if average else 1.0
-    res = None
-    if residual is not None:
-        res = torch.zeros(m, dtype=torch.float32, device=x.device)
-        res[: hi - lo].copy_(residual[lo:hi]).mul_(1.0 / unit)
-    r = int8_allreduce(chunk, inter, block=block, residual=res, average=average, out=row[:m])
-    if res is not None:
-        residual[lo:hi].copy_(res[: hi - lo].mul_(unit))
-    row[m:].copy_(torch.where(r.finite, 0.0, float("nan")))
-    # 3. all-gather inside the host (in place: the input is this rank's row)
-    intra.all_gather_into_tensor(gathered.view(-1), row)
-    for j in range(lw):
-        a = min(j * m, n)
-        b = min(a + m, n)
-        if b > a:
-            out[a:b].copy_(gathered[j, : b - a])
-    finite = torch.isfinite(gathered[:, m]).all()
-    return ReduceResult(out, hier.bytes_sent - sent0, finite)
+        host.mul_(1.0 / lw)
+    scale = 1.0 / hw if average else 1.0
+    send = torch.empty(hw, packed_nbytes(sub, block), dtype=torch.uint8, device=dev)
+    if host_residual is None:
+        quantize(host, block, pad_to=m, out=unpack(send, block), backend=backend)
+    else:
+        quantize_ef(host, host_residual.view(-1), block, out=unpack(send, block), backend=backend)
+    del host
+    recv = torch.empty_like(send)
+    inter.all_to_all_single(recv.view(-1), send.view(-1))
+    del send
+    mine = torch.empty(sub, dtype=torch.float32, device=dev)  # the owner's pass writes it
+    gathered, _ = _owner(inter, block, recv, mine, scale, backend, wait=True)
+    del recv, mine
+    # 3. all-gather of the packed (H, .) rows inside the host, dequantized by every rank
+    every = torch.empty(lw, gathered.numel(), dtype=torch.uint8, device=dev)
+    intra.all_gather_into_tensor(every.view(-1), gathered.view(-1))
+    del gathered
+    codes, scales = unpack(every.view(lw * hw, -1), block)
+    dequantize(codes, scales, block, scale=scale, numel=n, out=out, backend=backend)
+    return ReduceResult(out, hier.bytes_sent - sent0, torch.isfinite(scales).all())

@@ -45,7 +45,7 @@ from verl_comm.compression.collective import (
     LoopbackCollective,
     ProcessGroupCollective,
 )
-from verl_comm.compression.hier_int8 import chunk_numel, hier_int8_allreduce, owned_span
+from verl_comm.compression.hier_int8 import chunk_numel, hier_int8_allreduce
 from verl_comm.compression.int8_allreduce import (
     cast_allreduce,
     host_slice_numel,
@@ -136,31 +136,39 @@ def reduce_int8(
     res = None
     in_sq = None
     saved = []
+    hier = getattr(coll, "hierarchy", None)
+    n = buf.numel()  # hierarchical: the residual's tail is this rank's chunk of its host's
+    size = n + (chunk_numel(n, hier, cfg.quant_block) if hier is not None else 0)
     if cfg.error_feedback:
-        if bs.residual is None or bs.residual.numel() != buf.numel():
-            bs.residual = torch.zeros(
-                buf.numel(), dtype=residual_dtype(cfg.residual_dtype, buf.dtype), device=buf.device
+        if bs.residual is not None and bs.residual.numel() != size:
+            logger.warning(
+                "comm hook: bucket of %d elements: its error-feedback residual holds %d "
+                "elements, the int8 path (%s) needs %d; starting it from zero",
+                n,
+                bs.residual.numel(),
+                "hierarchical" if hier is not None else "flat",
+                size,
             )
-        res = bs.residual
-        for off, n in keep:
-            saved.append((off, n, res[off : off + n].clone()))
-            res[off : off + n].zero_()
-            buf[off : off + n].zero_()
+            bs.residual = None
+        if bs.residual is None:
+            rdt = residual_dtype(cfg.residual_dtype, buf.dtype)
+            bs.residual = torch.zeros(size, dtype=rdt, device=buf.device)
+        res = bs.residual[:n]
+        for off, k in keep:
+            saved.append((off, k, res[off : off + k].clone()))
+            res[off : off + k].zero_()
+            buf[off : off + k].zero_()
         if state.collect_stats:
             in_sq = (buf.float() + res.float()).square().sum()
-    hier = getattr(coll, "hierarchy", None)
-    if hier is not None:  # int8 across hosts only (CompressionConfig.hierarchical)
-        span = owned_span(buf.numel(), hier, cfg.quant_block)
-        fold = bs.residual_span != span
+    if hier is not None:  # reduced inside each host first (CompressionConfig.hierarchical)
+        host = None if res is None else bs.residual[n:]
         r = hier_int8_allreduce(
-            buf, hier, block=cfg.quant_block, residual=res, fold_residual=fold, out=buf
+            buf, hier, block=cfg.quant_block, residual=res, host_residual=host, out=buf
         )
-        bs.residual_span = span if res is not None and not saved else None
     else:
         r = int8_allreduce(buf, coll, block=cfg.quant_block, residual=res, out=buf)
-        bs.residual_span = None
-    for off, n, old in saved:
-        res[off : off + n].copy_(old)
+    for off, k, old in saved:
+        res[off : off + k].copy_(old)
     err_sq = res.float().square().sum() if (res is not None and state.collect_stats) else None
     return PathResult(r.wire_bytes, r.finite, err_sq, in_sq, res is not None)
 

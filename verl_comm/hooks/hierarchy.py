@@ -1,13 +1,13 @@
 """Which ranks share a host, and the hierarchical collectives of the int8 path (gloo).
 
-``CompressionConfig.hierarchical: auto``: where the hooks' process group is WORLD and spans
-two or more hosts with the same number (two or more) of ranks each, every collective the
-int8 path runs on (the state's, each worker lane's) gets a
-:class:`~verl_comm.compression.hier_int8.Hierarchy`: a group per host and a group per local
-rank, made from the ranks of that collective (``torch.distributed.new_subgroups_by_enumeration``,
-which every rank of WORLD must call, in the same order: the hook body of the same bucket).
-A host is told apart by torchrun's ``GROUP_RANK`` (its node rank; two network namespaces of
-one machine share a host name), else by the host name.
+``CompressionConfig.hierarchical: auto``: where the hooks' process group covers WORLD
+(WORLD, or a worker lane's group over every rank) and spans two or more hosts with the same
+number (two or more) of ranks each, every collective the int8 path runs on (the state's,
+each worker lane's) gets a :class:`~verl_comm.compression.hier_int8.Hierarchy`: a group per
+host and a group per local rank (``torch.distributed.new_subgroups_by_enumeration``, which
+every rank of WORLD must call, in the same order: the hook body of the same bucket). A host
+is told apart by torchrun's ``GROUP_RANK`` (its node rank; two network namespaces of one
+machine share a host name), else by the host name.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def attach(state, coll: ProcessGroupCollective) -> None:
     every rank at the same point."""
     if coll.hierarchy is not None or state.config.hierarchical == "off":
         return
-    if coll.group is not None and coll.group != dist.group.WORLD:
-        return  # subgroups would need every rank of WORLD to make them with us
+    if coll.world_size != dist.get_world_size():
+        return  # a subgroup: its subgroups would need every rank of WORLD to make them with us
     if state._host_layout is None:
         keys: list = [None] * coll.world_size
         dist.all_gather_object(keys, host_key(), group=coll.group)

@@ -83,7 +83,6 @@ class BucketState:
     graph_seen: tuple | None = None
     graph_captures: int = 0
     params: tuple[int, ...] | None = None  # indices in ddp_model.parameters(), if known
-    residual_span: tuple[int, int] | None = None  # where ``residual`` may be non-zero (None: all)
 
     def _tensors(self) -> list[torch.Tensor]:
         lr = self.lowrank
