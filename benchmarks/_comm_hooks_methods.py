@@ -19,8 +19,8 @@ REDUCER = {"reducer_none": {}, "reducer_int8": {"gradient_compression": "int8"}}
 OURS_FIXED = {  # name -> CompressionConfig fields
     "ours_bf16": {"gradient_compression": "bf16"},
     "ours_int8": {"gradient_compression": "int8"},
-    # the flat two-step int8 all-reduce where hosts x local ranks would make it hierarchical
-    "ours_int8_flat": {"gradient_compression": "int8", "hierarchical": "off"},
+    # int8 reduced inside each host first where the ranks are hosts x local ranks
+    "ours_int8_hier": {"gradient_compression": "int8", "hierarchical": "auto"},
     "ours_auto": {"gradient_compression": "int8", "compression_rank": 64, "policy": "auto"},
 }
 METHODS = (

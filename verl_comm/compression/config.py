@@ -125,15 +125,18 @@ class CompressionConfig(BaseModel):
         "training. Bytes, compression ratio, finiteness and time are tracked every step.",
     )
     hierarchical: Literal["auto", "off"] = Field(
-        "auto",
+        "off",
         description="int8 all-reduce over a CPU process group (gloo) that spans 2 or more "
-        "hosts with the same number (2 or more) of ranks each: auto reduces inside each "
-        "host in fp32, sends int8 only between the ranks of the same local rank on every "
-        "host, and gathers inside the host (ZeRO++'s hierarchical qgZ; "
-        "verl_comm.compression.hier_int8), about 0.35x the cross-host bytes of an fp16 "
-        "ring at 2 x 2 ranks. Hosts are told apart by torchrun's GROUP_RANK, else the "
-        "host name. Other layouts, CUDA and process groups other than WORLD use the flat "
-        "int8 all-reduce. off: always flat.",
+        "hosts with the same number (2 or more) of ranks each. auto: int8 inside each host "
+        "first, then int8 only between the ranks of the same local rank on every host, then "
+        "an all-gather of the codes inside the host (ZeRO++'s hierarchical qgZ; "
+        "verl_comm.compression.hier_int8): 0.35x the cross-host bytes of an fp16 ring at "
+        "2 x 2 ranks, for more compute per element and a second residual of N/L elements "
+        "per bucket. Hosts are told apart by torchrun's GROUP_RANK, else the host name; "
+        "other layouts, CUDA and process groups other than WORLD stay flat. off (the "
+        "default): the flat two-step int8 all-reduce, which ran 0.91x auto's step on the "
+        "shaped 1 Gbit/s veth with 2 x 2 ranks sharing 2 cores (benchmarks/results/"
+        "comm_hooks.md, run 92feb6e15978).",
     )
     warm_start: bool = Field(
         True,

@@ -66,7 +66,7 @@ def attach(state, coll: ProcessGroupCollective) -> None:
             hosts = state._host_layout
             logger.info(
                 "comm hook: int8 all-reduce is hierarchical over %d hosts x %d ranks "
-                "(fp32 inside a host, int8 across; CompressionConfig.hierarchical=off: flat)",
+                "(CompressionConfig.hierarchical=auto; off: flat)",
                 len(hosts),
                 len(hosts[0]),
             )
