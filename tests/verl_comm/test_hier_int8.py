@@ -151,3 +151,32 @@ def test_nonfinite_on_one_rank_is_seen_by_every_rank():
         return bool(hier_int8_allreduce(x, hier).finite)
 
     assert run_hier(hosts, local, fn) == [False] * 4
+
+
+def test_host_layout_needs_two_hosts_of_the_same_size():
+    from verl_comm.hooks.hierarchy import host_layout
+
+    assert host_layout(["a", "a", "b", "b"]) == [[0, 1], [2, 3]]
+    assert host_layout(["a", "b", "a", "b"]) == [[0, 2], [1, 3]]
+    assert host_layout(["a", "a", "a", "a"]) is None  # one host
+    assert host_layout(["a", "b", "c", "d"]) is None  # one rank a host: flat is the same
+    assert host_layout(["a", "a", "b", "b", "b"]) is None  # uneven hosts
+
+
+def test_hierarchical_auto_refused_where_it_cannot_apply():
+    """In-process collectives (no gloo group of W > 1): a set ``hierarchical: auto`` is
+    refused with a message naming the key and the fix, never silently flat."""
+    from verl_comm.compression import CompressionConfig
+    from verl_comm.hooks import CommHookState, GradBucket, int8_hook
+
+    state = CommHookState(
+        config=CompressionConfig(gradient_compression="int8", hierarchical="auto")
+    )
+    with pytest.raises(ValueError, match="hierarchical='auto'.*set hierarchical: off"):
+        int8_hook(state, GradBucket.from_tensors([torch.ones(64)]))
+    state.close()
+    ok = CommHookState(config=CompressionConfig(gradient_compression="int8"))
+    assert torch.equal(
+        int8_hook(ok, GradBucket.from_tensors([torch.ones(64)])).wait(), torch.ones(64)
+    )
+    ok.close()

@@ -438,8 +438,11 @@ def run_hook(state: CommHookState, bucket: Any, method: str) -> torch.futures.Fu
     measuring = measure.measuring(state, method in COMPRESSING and state.config.policy == "auto")
     if _uses_worker(state, dev) and direct.applies(state, method, measuring):
         return direct.run_direct_cast(state, buf, index, shapes, method, is_last, pids)
-    if _uses_worker(state, dev) and hierarchy.wants(state.config, method):
-        hierarchy.attach(state, state.collective)  # once; every rank at its first hook call
+    if hierarchy.wants(state.config, method):
+        if _uses_worker(state, dev):
+            hierarchy.attach(state, state.collective)  # once; every rank at its first call
+        else:
+            hierarchy.refuse(state.config, dev)
     cast = trial.cast_plan(state) if _uses_worker(state, dev) and method in COMPRESSING else None
     if cast is not None:  # policy auto, a step whose plan casts every bucket: torch's order
         path = cast.get(index, "bf16" if buf.dtype == torch.float32 else "fp16")

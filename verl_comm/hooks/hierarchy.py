@@ -50,6 +50,22 @@ def wants(config, method: str) -> bool:
     return method == "int8" or (config.policy == "auto" and method == "lowrank_int8")
 
 
+def refuse(config, device) -> None:
+    """``hierarchical: auto`` runs on CPU buckets with a gloo group of W > 1 only (the hooks'
+    worker): refuse it where it cannot apply.
+
+    Raises:
+        ValueError: ``hierarchical`` is ``auto`` and the buckets are on ``device`` without
+            the gloo worker (CUDA, or in-process collectives).
+    """
+    if config.hierarchical == "auto":
+        raise ValueError(
+            "hierarchical='auto': the hierarchical int8 all-reduce runs on CPU buckets over "
+            f"a gloo group of W > 1 only, and these buckets are on {device} with "
+            "in-process or CUDA collectives; set hierarchical: off (the default)"
+        )
+
+
 def attach(state, coll: ProcessGroupCollective) -> None:
     """Give ``coll`` its :class:`Hierarchy` where the layout allows (see the module
     docstring); the layout is gathered once per state (one ``all_gather_object``). Call on
@@ -57,18 +73,34 @@ def attach(state, coll: ProcessGroupCollective) -> None:
     if coll.hierarchy is not None or state.config.hierarchical == "off":
         return
     if coll.world_size != dist.get_world_size():
-        return  # a subgroup: its subgroups would need every rank of WORLD to make them with us
+        if state._host_layout is None:  # its subgroups would need every rank of WORLD
+            state._host_layout = []
+            logger.warning(
+                "comm hook: hierarchical=auto: the hooks' process group is a subgroup of "
+                "%d of WORLD's %d ranks; the int8 all-reduce stays flat",
+                coll.world_size,
+                dist.get_world_size(),
+            )
+        return
     if state._host_layout is None:
         keys: list = [None] * coll.world_size
         dist.all_gather_object(keys, host_key(), group=coll.group)
         state._host_layout = host_layout(keys) or []
-        if state._host_layout:
-            hosts = state._host_layout
+        hosts = state._host_layout
+        if hosts:
             logger.info(
                 "comm hook: int8 all-reduce is hierarchical over %d hosts x %d ranks "
                 "(CompressionConfig.hierarchical=auto; off: flat)",
                 len(hosts),
                 len(hosts[0]),
+            )
+        else:
+            logger.warning(
+                "comm hook: hierarchical=auto: the %d ranks are not 2 or more hosts of the "
+                "same 2 or more ranks (hosts by torchrun's GROUP_RANK, else the host name: "
+                "%s); the int8 all-reduce stays flat",
+                coll.world_size,
+                sorted(set(keys)),
             )
     hosts = state._host_layout
     if not hosts:
