@@ -134,9 +134,9 @@ class CompressionConfig(BaseModel):
         "2 x 2 ranks, for more compute per element and a second residual of N/L elements "
         "per bucket. Hosts are told apart by torchrun's GROUP_RANK, else the host name; "
         "other layouts, CUDA and process groups other than WORLD stay flat. off (the "
-        "default): the flat two-step int8 all-reduce, which ran 0.91x auto's step on the "
-        "shaped 1 Gbit/s veth with 2 x 2 ranks sharing 2 cores (benchmarks/results/"
-        "comm_hooks.md, run 92feb6e15978).",
+        "default): the flat two-step int8 all-reduce, which ran 0.91x and 0.96x auto's "
+        "step on the shaped 1 Gbit/s veth with 2 x 2 ranks sharing 2 cores "
+        "(benchmarks/results/comm_hooks.md, runs 92feb6e15978 and 421f0825445b).",
     )
     warm_start: bool = Field(
         True,

@@ -1,27 +1,29 @@
-"""Hierarchical int8 all-reduce: full precision inside a host, int8 only across hosts.
+"""Hierarchical int8 all-reduce: int8 inside a host first, then int8 only across hosts.
 
 Source: ZeRO++ (Wang et al. 2023, "ZeRO++: Extremely Efficient Collective Communication for
-Giant Model Training", section 4.3: qgZ's hierarchical all-to-all reduces inside a node
-before anything crosses the slower inter-node link).
+Giant Model Training", section 4.3: qgZ's hierarchical all-to-all reduces inside a node,
+quantized, before anything crosses the slower inter-node link).
 
 With W = H hosts x L ranks per host, the flat two-step int8 all-reduce
 (:func:`~verl_comm.compression.int8_allreduce.int8_allreduce`) sends ``(W-1)/W`` of every
-rank's codes across the ranks' ring and all-to-all, and on a ring laid over the hosts the
-cross-host hops carry the traffic of several ranks (4 gloo ranks over a shaped 1 Gbit/s veth,
-2 per host: 1.77 N x 1.03 bytes per direction for N elements, 0.61x torch's fp16 ring, see
-``benchmarks/slow_link_hooks.sh``). Here, for a bucket of N elements padded to ``L * M``:
+rank's codes through its all-to-all and all-gather, and where the ranks' ring is laid over
+the hosts the cross-host hops carry the traffic of several ranks (4 gloo ranks over a shaped
+1 Gbit/s veth, 2 per host: 1.77 N x 1.03 bytes per direction for N elements, 0.61x torch's
+fp16 ring, see ``benchmarks/slow_link_hooks.sh``). Here (:func:`hier_int8_allreduce`), for
+a bucket of N elements padded to L chunks of M:
 
-1. inside the host (``intra``, L ranks, fp32): an all-to-all of the ``(L, M)`` rows and a
-   local sum give local rank ``l`` the host's sum of chunk ``l`` (a reduce-scatter; gloo has
-   no ``reduce_scatter_tensor``), divided by L;
-2. across hosts (``inter``: the H ranks of local rank ``l``): the int8 all-reduce of that
-   chunk, averaged over H, with error feedback on the chunk's host sum;
-3. inside the host: an all-gather of the L reduced chunks (fp32), in place.
+1. inside the host (``intra``, L ranks): int8 rows with error feedback, an all-to-all, and
+   the fp32 sum of chunk ``l`` at local rank ``l``;
+2. across hosts (``inter``: the H ranks of local rank ``l``): the two-step int8 scheme on
+   the host's average of that chunk, with its own error feedback;
+3. inside the host: an all-gather of the packed codes and scales, dequantized by every rank.
 
 Bytes across the link per host and direction: ``L * 2 (H-1)/H * M * (1 + 4/B)``, i.e.
-``N (1 + 4/B)`` at H = 2 (0.35x the fp16 ring's for 2 x 2 ranks). The result is the same
-bit for bit on every rank: each chunk is reduced by the H ranks of one local index (which
-agree bit for bit, :func:`int8_allreduce`) and copied by the all-gather.
+``N (1 + 4/B)`` at H = 2 (about 0.35x the fp16 ring's for 2 x 2 ranks). The result is the
+same bit for bit on every rank. Opt-in (``CompressionConfig.hierarchical``): on 2 x 2 ranks
+sharing 2 cores it ran 1.04-1.10x the flat scheme's step (``benchmarks/results/
+comm_hooks.md``, runs ``421f0825445b`` and ``92feb6e15978``): its extra quantization and
+collectives cost more CPU there than the link time they save.
 """
 
 from __future__ import annotations
