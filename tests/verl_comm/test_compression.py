@@ -36,12 +36,18 @@ from verl_comm.compression import (
 def run_ranks(world: int, fn):
     """Run ``fn(rank, collective)`` in ``world`` threads; return the results by rank."""
     group = ThreadGroup(world, timeout_s=30)
+    return run_threads(world, lambda r: fn(r, group.collective(r)))
+
+
+def run_threads(world: int, fn):
+    """Run ``fn(rank)`` in ``world`` threads; return the results by rank (a thread's error
+    is raised here)."""
     out: list = [None] * world
     errors: list = []
 
     def target(r):
         try:
-            out[r] = fn(r, group.collective(r))
+            out[r] = fn(r)
         except BaseException as e:  # pragma: no cover - surfaced below
             errors.append(e)
 

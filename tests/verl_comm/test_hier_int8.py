@@ -3,12 +3,10 @@ H hosts x L local ranks, one thread per rank, a ThreadGroup per host and per loc
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from tests.verl_comm.test_compression import run_ranks
+from tests.verl_comm.test_compression import run_ranks, run_threads
 from verl_comm.compression.collective import ThreadGroup
 from verl_comm.compression.hier_int8 import (
     Hierarchy,
@@ -23,25 +21,12 @@ def run_hier(hosts: int, local: int, fn):
     """Run ``fn(rank, Hierarchy)`` for rank = host * local + l in threads; results by rank."""
     intra = [ThreadGroup(local, timeout_s=30) for _ in range(hosts)]
     inter = [ThreadGroup(hosts, timeout_s=30) for _ in range(local)]
-    world = hosts * local
-    out: list = [None] * world
-    errors: list = []
 
-    def target(r):
+    def rank(r):
         h, lr = divmod(r, local)
-        try:
-            out[r] = fn(r, Hierarchy(intra[h].collective(lr), inter[lr].collective(h)))
-        except BaseException as e:  # pragma: no cover - surfaced below
-            errors.append(e)
+        return fn(r, Hierarchy(intra[h].collective(lr), inter[lr].collective(h)))
 
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return out
+    return run_threads(hosts * local, rank)
 
 
 def _bound(xs: list[torch.Tensor]) -> float:

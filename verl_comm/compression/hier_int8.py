@@ -60,11 +60,6 @@ class Hierarchy:
     inter: Collective
 
     @property
-    def world_size(self) -> int:
-        """W = L x H."""
-        return self.intra.world_size * self.inter.world_size
-
-    @property
     def bytes_sent(self) -> int:
         """Bytes this rank sent over both collectives (payload, ring formulas)."""
         return self.intra.bytes_sent + self.inter.bytes_sent
@@ -180,9 +175,9 @@ def hier_int8_allreduce(
     recv = torch.empty_like(send)
     inter.all_to_all_single(recv.view(-1), send.view(-1))
     del send
-    mine = torch.empty(sub, dtype=torch.float32, device=dev)  # the owner's pass writes it
-    gathered, _ = _owner(inter, block, recv, mine, scale, backend, wait=True)
-    del recv, mine
+    # out[:0]: the owner's pass dequantizes nothing here (every rank does it after step 3)
+    gathered, _ = _owner(inter, block, recv, out[:0], scale, backend, wait=True)
+    del recv
     # 3. all-gather of the packed (H, .) rows inside the host, dequantized by every rank
     every = torch.empty(lw, gathered.numel(), dtype=torch.uint8, device=dev)
     intra.all_gather_into_tensor(every.view(-1), gathered.view(-1))
