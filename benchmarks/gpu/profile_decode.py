@@ -5,7 +5,7 @@
 
 Prints: the whole rollout's time and its fraction of the floor; a decode step split into
 the model's step (graph replay, or eager) and the sampler; and torch.profiler's kernel tables
-of a few steps of each.
+of a few steps of each, and of the prefill.
 
     python benchmarks/gpu/profile_decode.py [--shape qwen05b] [--layers N] [--batch 128]
         [--prompt 256] [--new 256] [--tables] [--sweep]
@@ -107,6 +107,7 @@ def _measure(model, ids, mask, S, R, params, kernel, fused, a, floors) -> None:
     if kernel and fused and a.tables:
         _table(lambda: dec.decode(tok, pos, P + 100), 10, "decode step (model)")
         _table(lambda: sample_next(logits, params, gen), 10, "sampler")
+        _table(lambda: dec.prefill(ids, mask), 2, "prefill")
 
 
 def _sweep_attention(B: int, S: int, L: int) -> None:
