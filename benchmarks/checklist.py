@@ -325,7 +325,9 @@ def _check_numerics(a, model, prompt, pmask, ids, mask, cuda: bool):
     if cuda:
         try:
             gdec = StaticCacheDecoder(model, P + R, use_cuda_graph=True)
-            gdec.prefill(prompt, pmask)  # captures the graph
+            gdec.generate(  # captures the decode loop's graph
+                prompt, pmask, max_new_tokens=2, eos_token_id=None, pad_token_id=0, do_sample=False
+            )
         except Exception as e:  # noqa: BLE001 - reported in the results, exit code 1
             failed["cuda_graph"] = f"capture failed: {type(e).__name__}: {e}"[:500]
             gdec = None

@@ -11,7 +11,8 @@ of a few steps of each, and of the prefill.
         [--prompt 256] [--new 256] [--tables] [--sweep]
 
 Three decoders in turn: the default (decode kernels and fused q/k/v, gate/up projections),
-without the fused projections, and without either.
+without the fused projections, and without either. The default is also timed with sampling
+outside the captured step (the Python loop around the model-step graph).
 """
 
 from __future__ import annotations
@@ -91,6 +92,21 @@ def _measure(model, ids, mask, S, R, params, kernel, fused, a, floors) -> None:
 
     rollout()  # capture + warm-up
     t_roll = _timed(rollout, 3)
+    if kernel and fused and not a.eager:
+        # the same decoder with sampling and bookkeeping outside the graph (decode_loop with
+        # the model-step graph): a caller-supplied `pick`, same draws
+        def loop_outside():
+            return dec.rollout(
+                ids, mask, max_new_tokens=R, eos_token_id=None, pad_token_id=0, params=params,
+                generator=gen, pick=lambda lg, seed: sample_next(lg, params, gen, seed),
+            )  # fmt: skip
+
+        loop_outside()
+        t_out = _timed(loop_outside, 3)
+        print(
+            f"sampling outside the graph: rollout {t_out:.4f} s ({floor / t_out:.1%} of floor) "
+            f"vs inside {t_roll:.4f} s ({floor / t_roll:.1%})"
+        )
     t_pre = _timed(lambda: dec.prefill(ids, mask), 3)
     logits = dec.prefill(ids, mask)
     tok = torch.zeros(B, dtype=torch.long, device="cuda")

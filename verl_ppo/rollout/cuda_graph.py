@@ -12,8 +12,11 @@ The forward is the one functional model of the rollout, :class:`TPCausalLM`: bui
 the HF model's own parameters (TP degree 1, no copy) or handed in by the hybrid engine on
 its resharded TP shards. With TP > 1 the graph holds the model's NCCL all-reduces and
 all-gather (NCCL collectives are graph-capturable; every TP member captures and replays
-together, since they decode in lockstep). Sampling runs outside the graph through the
-shared loop and sampler (:func:`verl_ppo.rollout.generate.decode_loop`).
+together, since they decode in lockstep). Where the one-pass sampler draws (CUDA, no top-k /
+top-p) and the caller does not sample itself, the draw and the loop's bookkeeping are
+captured with the step (:mod:`verl_ppo.rollout.graph_loop`); otherwise sampling runs
+outside the graph through the shared loop and sampler
+(:func:`verl_ppo.rollout.generate.decode_loop`).
 
 Validity: a captured graph reads the weights at the addresses they had at capture; the
 decoder checks those addresses before every generation and recaptures if they moved (new
@@ -36,7 +39,8 @@ from verl_ppo.rollout.generate import (
     decode_loop,
     sampling_kwargs,
 )
-from verl_ppo.rollout.sampler import SamplingParams
+from verl_ppo.rollout.graph_loop import LoopBuffers, graph_rollout
+from verl_ppo.rollout.sampler import SamplingParams, fused_sampler_on
 from verl_ppo.rollout.tp_model import KVCache, TPCausalLM, TPGroup
 
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
@@ -132,7 +136,7 @@ class StaticCacheDecoder:
         RuntimeError: ``use_cuda_graph`` without CUDA or with the model on the CPU.
     """
 
-    def __init__(self, model: Any, max_seq_len: int, use_cuda_graph: bool = True):
+    def __init__(self, model: Any, max_seq_len: int, use_cuda_graph: bool = True) -> None:
         self.source = getattr(model, "module", model)
         self.tp_model = tp_model_of(model)
         self.device = self.tp_model.device
@@ -146,6 +150,7 @@ class StaticCacheDecoder:
         self.captures = 0
         _maybe_fuse(self.tp_model)
         self._bufs: dict[int, _Buffers] = {}
+        self._loops: dict[int, LoopBuffers] = {}
 
     def retarget(self, model: TPCausalLM) -> None:
         """Decode with ``model`` from now on (the hybrid engine's shards of this step); the
@@ -174,7 +179,10 @@ class StaticCacheDecoder:
         return self.tp_model.forward(bufs.tok, bufs.pos, bufs.cache, mask, bufs.slot)
 
     def _capture(self, bufs: _Buffers) -> None:
-        """Warm up on a side stream, then capture :meth:`_step` (the mask is reset after)."""
+        """Warm up on a side stream, then capture :meth:`_step`. Called by :meth:`decode`
+        with the step's inputs in place: the warm-ups compute that same step (the same cache
+        slot written with the same keys and values), so they leave the state the step
+        leaves."""
         bufs.graph = None  # free the previous graph's pool first
         s = torch.cuda.Stream(device=self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
@@ -187,7 +195,9 @@ class StaticCacheDecoder:
             bufs.logits = self._step(bufs)
         bufs.graph = graph
         bufs.param_ptrs = self.tp_model.param_ptrs()
-        bufs.kv_valid.zero_()
+        self.captures += 1
+
+    def _count_capture(self) -> None:
         self.captures += 1
 
     @torch.no_grad()
@@ -204,12 +214,15 @@ class StaticCacheDecoder:
         B, P = input_ids.shape
         if P > self.max_seq_len:
             raise ValueError(f"prompt length {P} exceeds max_seq_len={self.max_seq_len}")
-        bufs = self._buffers(B)
         self.tp_model.refresh_fused()  # the weights may have changed since the last rollout
-        if self.use_cuda_graph and (
-            bufs.graph is None or bufs.param_ptrs != self.tp_model.param_ptrs()
-        ):
-            self._capture(bufs)
+        return self._prefill(self._buffers(B), input_ids, attention_mask)
+
+    def _prefill(
+        self, bufs: _Buffers, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        B, P = input_ids.shape
+        if bufs.graph is not None and bufs.param_ptrs != self.tp_model.param_ptrs():
+            bufs.graph = None  # the weights moved: recaptured at the next decode
         valid = attention_mask.bool()
         bufs.kv_valid.zero_()
         bufs.kv_valid[:, :P] = valid
@@ -237,6 +250,8 @@ class StaticCacheDecoder:
         bufs.pos.copy_(positions[:, None])
         bufs.slot.fill_(slot)
         if self.use_cuda_graph:
+            if bufs.graph is None:
+                self._capture(bufs)
             bufs.graph.replay()
             return bufs.logits
         return self._step(bufs)
@@ -256,7 +271,9 @@ class StaticCacheDecoder:
         sync_every: int = 8,
     ) -> RolloutOutput:
         """See :func:`verl_ppo.rollout.generate.decode_loop` (``pick``: the TP path's
-        sample-and-broadcast).
+        sample-and-broadcast). With the graph on, where the one-pass sampler draws and
+        without ``pick``, each decode step is one replay of a graph that also draws and
+        keeps the books (:func:`verl_ppo.rollout.graph_loop.graph_rollout`, same tokens).
 
         Raises:
             ValueError: bad shapes, or ``P + max_new_tokens`` exceeds ``max_seq_len``.
@@ -267,6 +284,32 @@ class StaticCacheDecoder:
             raise ValueError(
                 f"prompt {P} + max_new_tokens {max_new_tokens} exceeds the static cache "
                 f"max_seq_len={self.max_seq_len}; build the decoder with a larger max_seq_len"
+            )
+        if (
+            pick is None
+            and self.use_cuda_graph
+            and fused_sampler_on(self.device, params, generator)
+        ):
+            B = input_ids.shape[0]
+            bufs = self._buffers(B)
+            if B not in self._loops:
+                self._loops[B] = LoopBuffers.new(B, self.max_seq_len, self.device)
+            self.tp_model.refresh_fused()
+            return graph_rollout(
+                lambda: self._step(bufs),
+                lambda: self._prefill(bufs, input_ids, attention_mask),
+                (bufs.tok, bufs.pos, bufs.slot),
+                self._loops[B],
+                input_ids,
+                attention_mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+                params=params,
+                generator=generator,
+                param_ptrs=self.tp_model.param_ptrs(),
+                sync_every=sync_every,
+                on_capture=self._count_capture,
             )
         return decode_loop(
             lambda: self.prefill(input_ids, attention_mask),

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from verl_ppo.job.compat import CACHE_KWARG
-from verl_ppo.rollout.sampler import SamplingParams, filter_logits, sample_next
+from verl_ppo.rollout.sampler import SamplingParams, draw_seeds, filter_logits, sample_next
 from verl_ppo.step.compiled import eager_layers
 
 __all__ = [
@@ -86,6 +86,65 @@ def eos_list(eos_token_id: int | list[int] | None) -> list[int]:
     return [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
 
 
+def settle(
+    tok: torch.Tensor,
+    lp: torch.Tensor,
+    done: torch.Tensor,
+    finite: torch.Tensor,
+    eos: torch.Tensor | None,
+    pad: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's bookkeeping, shared by :func:`decode_loop` and the captured decode step
+    (:mod:`verl_ppo.rollout.graph_loop`): rows already done get ``pad`` and a 0 log-prob,
+    ``finite`` (``()`` bool) is and-ed with "every log-prob finite", and ``done`` (``(B,)``
+    bool) takes the rows that drew an EOS id of ``eos`` (``(n,)`` int64; None = no EOS).
+    ``done`` and ``finite`` are updated in place. Returns the step's ``(tokens, log_probs)``.
+    """
+    tok = torch.where(done, torch.full_like(tok, pad), tok)
+    finite &= torch.isfinite(lp).all()
+    lp = torch.where(done, torch.zeros_like(lp), lp)
+    if eos is not None:
+        done |= torch.isin(tok, eos)
+    return tok, lp
+
+
+def finish(
+    input_ids: torch.Tensor,
+    tokens: torch.Tensor,
+    log_probs: torch.Tensor,
+    finite: torch.Tensor,
+    eos: torch.Tensor | None,
+) -> RolloutOutput:
+    """The rollout's result from its ``(B, n)`` tokens and log-probs: raises on non-finite
+    log-probs (one host read), trims to the first step at which every row was done.
+
+    Raises:
+        RuntimeError: a step's logits held NaN or Inf.
+    """
+    if not bool(finite):
+        raise RuntimeError(
+            "rollout: the next-token logits hold NaN or Inf (the model's weights or its "
+            "forward diverged); lower the learning rate or check the checkpoint"
+        )
+    if eos is not None:  # trim to the first step at which every row was done
+        is_eos = torch.isin(tokens, eos)
+        if bool(is_eos.any(-1).all()):
+            n = int(is_eos.long().argmax(-1).max()) + 1
+            tokens, log_probs = tokens[:, :n], log_probs[:, :n]
+    return RolloutOutput(torch.cat([input_ids, tokens.to(input_ids.dtype)], 1), log_probs)
+
+
+def loop_setup(
+    eos_token_id: int | list[int] | None, pad_token_id: int | None, device: torch.device
+) -> tuple[torch.Tensor | None, int]:
+    """``(EOS ids as a (n,) int64 tensor on device or None, the pad id)``: pad defaults to
+    the first EOS id, else 0."""
+    eos = eos_list(eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
+    return eos_t, pad
+
+
 def decode_loop(
     prefill: Callable[[], torch.Tensor],
     step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
@@ -97,7 +156,8 @@ def decode_loop(
     pad_token_id: int | None,
     params: SamplingParams,
     generator: torch.Generator | None = None,
-    pick: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    pick: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+    | None = None,
     sync_every: int = 8,
 ) -> RolloutOutput:
     """The decode loop every generator shares.
@@ -110,9 +170,12 @@ def decode_loop(
         max_new_tokens: ``R_max >= 1``.
         eos_token_id: int, list or None; a row is done after emitting one.
         pad_token_id: fills rows after EOS (None: the first EOS id, else 0).
-        params, generator: passed to :func:`sample_next`.
-        pick: replaces ``sample_next(logits, params, generator)`` (the TP path samples on
-            one member and broadcasts).
+        params, generator: passed to :func:`sample_next`. Where the one-pass sampler
+            applies, the seeds of all steps are drawn from ``generator`` once, after the
+            prefill (:func:`~verl_ppo.rollout.sampler.draw_seeds`), and step ``t`` draws with
+            ``seeds[t]``.
+        pick: replaces ``sample_next(logits, params, generator, seed)``; called as
+            ``pick(logits, seed)`` (the TP path samples on one member and broadcasts).
         sync_every: steps between host checks of "every row done" (each a device sync);
             the result is trimmed to the step where all were done, so it does not change.
 
@@ -126,46 +189,33 @@ def decode_loop(
     check_prompts(input_ids, attention_mask)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    eos = eos_list(eos_token_id)
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     if pick is None:
 
-        def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return sample_next(logits, params, generator)
+        def pick(
+            logits: torch.Tensor, seed: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return sample_next(logits, params, generator, seed)
 
     B, dev = input_ids.shape[0], input_ids.device
-    eos_t = torch.tensor(eos, dtype=torch.long, device=dev)
+    eos_t, pad = loop_setup(eos_token_id, pad_token_id, dev)
     next_pos = attention_mask.long().sum(-1)  # positions count real tokens only
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     finite = torch.ones((), dtype=torch.bool, device=dev)
     tokens, logps = [], []
     logits = prefill()
+    seeds = draw_seeds(logits.device, params, generator, max_new_tokens)
     for t in range(max_new_tokens):
-        tok, lp = pick(logits)
-        tok = torch.where(done, torch.full_like(tok, pad), tok)
-        finite &= torch.isfinite(lp).all()
-        logps.append(torch.where(done, torch.zeros_like(lp), lp))
+        tok, lp = pick(logits, None if seeds is None else seeds[t : t + 1])
+        tok, lp = settle(tok, lp, done, finite, eos_t, pad)
         tokens.append(tok)
-        if eos:
-            done = done | torch.isin(tok, eos_t)
+        logps.append(lp)
         if t == max_new_tokens - 1:
             break
-        if eos and (t + 1) % max(sync_every, 1) == 0 and bool(done.all()):
+        if eos_t is not None and (t + 1) % max(sync_every, 1) == 0 and bool(done.all()):
             break
         logits = step(tok, next_pos, t)
         next_pos = next_pos + 1
-    if not bool(finite):
-        raise RuntimeError(
-            "rollout: the next-token logits hold NaN or Inf (the model's weights or its "
-            "forward diverged); lower the learning rate or check the checkpoint"
-        )
-    out, lps = torch.stack(tokens, 1), torch.stack(logps, 1)
-    if eos:  # trim to the first step at which every row was done
-        is_eos = torch.isin(out, eos_t)
-        if bool(is_eos.any(-1).all()):
-            n = int(is_eos.long().argmax(-1).max()) + 1
-            out, lps = out[:, :n], lps[:, :n]
-    return RolloutOutput(torch.cat([input_ids, out.to(input_ids.dtype)], 1), lps)
+    return finish(input_ids, torch.stack(tokens, 1), torch.stack(logps, 1), finite, eos_t)
 
 
 class HFGenerator:

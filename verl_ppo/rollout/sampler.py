@@ -81,23 +81,57 @@ def _filter(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return x
 
 
-def fused_applies(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+def fused_sampler_on(
+    device: torch.device, params: SamplingParams, generator: torch.Generator | None
 ) -> bool:
     """Whether :func:`sample_next` draws with the one-pass Triton sampler
-    (:func:`verl_comm.kernels.sampling.gumbel_sample`): CUDA logits, no top-k / top-p filter,
-    and the generator (if any) on the logits' device."""
-    if not logits.is_cuda or params.top_k != 0 or params.top_p != 1.0:
+    (:func:`verl_comm.kernels.sampling.gumbel_sample`) for logits on ``device``: CUDA, no
+    top-k / top-p filter, and the generator (if any) on that device."""
+    if device.type != "cuda" or params.top_k != 0 or params.top_p != 1.0:
         return False
     if generator is None:
         return True
     gd = generator.device  # torch.Generator("cuda").device may carry no index
     index = gd.index if gd.index is not None else torch.cuda.current_device()
-    return gd.type == "cuda" and index == logits.device.index
+    dev_index = device.index if device.index is not None else torch.cuda.current_device()
+    return gd.type == "cuda" and index == dev_index
+
+
+def fused_applies(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> bool:
+    """:func:`fused_sampler_on` for ``logits``' device."""
+    return fused_sampler_on(logits.device, params, generator)
+
+
+def draw_seeds(
+    device: torch.device,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    steps: int,
+) -> torch.Tensor | None:
+    """The Philox seeds of ``steps`` draws of the one-pass sampler, drawn at once.
+
+    A rollout draws them before its first token and hands ``seeds[t]`` to step ``t``'s
+    :func:`sample_next`, so the seeds are device data known in advance: a decode step that
+    samples inside a captured CUDA graph reads its seed from a buffer and never touches the
+    generator (whose state a graph cannot advance), and every path that draws them the
+    same way (:func:`verl_ppo.rollout.generate.decode_loop`) gets the same tokens.
+
+    Returns:
+        ``(steps,)`` int64 on ``device``, or None where the draw does not use them (greedy,
+        or the torch sampler: see :func:`fused_sampler_on`).
+    """
+    if not params.do_sample or not fused_sampler_on(device, params, generator):
+        return None
+    return torch.randint(0, 2**62, (steps,), dtype=torch.int64, device=device, generator=generator)
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of every row, without a host sync.
 
@@ -115,6 +149,9 @@ def sample_next(
         params: the :class:`SamplingParams`.
         generator: RNG of the draw; may live on another device than ``logits`` (the draw
             then happens there, so CPU and CUDA callers can share one seed).
+        seed: ``(1,)`` int64 on ``logits``' device, the one-pass sampler's Philox seed (one
+            element of :func:`draw_seeds`); None = draw it from ``generator``. Unused by the
+            torch sampler and when greedy.
 
     Returns:
         ``(tokens (batch,) int64, log_probs (batch,) float32)``; ``log_probs`` is
@@ -124,8 +161,9 @@ def sample_next(
     if fused_applies(logits, params, generator):
         from verl_comm.kernels.sampling import gumbel_sample
 
-        seed = None
-        if params.do_sample:
+        if not params.do_sample:
+            seed = None
+        elif seed is None:
             seed = torch.randint(
                 0, 2**62, (1,), dtype=torch.int64, device=logits.device, generator=generator
             )

@@ -102,10 +102,10 @@ def tp_rollout(
     )
     dec = decoder_for(reuse, model, pmax, max_new_tokens, use_cuda_graph)
 
-    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pick(logits: torch.Tensor, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         b = logits.shape[0]
         if tp.index == 0:
-            tok, lp = sample_next(logits, params, generator)
+            tok, lp = sample_next(logits, params, generator, seed)
         else:
             tok = torch.empty(b, dtype=torch.int64, device=dev)
             lp = torch.empty(b, dtype=torch.float32, device=dev)
@@ -118,6 +118,7 @@ def tp_rollout(
         eos_token_id=eos,
         pad_token_id=pad,
         params=params,
+        generator=generator,  # the seeds are drawn on every member, used on TP index 0
         pick=pick,
         sync_every=1 if not use_cuda_graph else 8,
     )
