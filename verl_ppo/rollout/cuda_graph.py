@@ -227,10 +227,11 @@ class StaticCacheDecoder:
         bufs.kv_valid.zero_()
         bufs.kv_valid[:, :P] = valid
         pos = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        S, dev = self.max_seq_len, self.device
-        causal = torch.ones(P, S, dtype=torch.bool, device=dev).tril()
-        eye = torch.eye(P, S, dtype=torch.bool, device=dev)
-        mask = (causal & bufs.kv_valid[:, None, None, :]) | eye  # padding sees itself only
+        dev = self.device
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        eye = torch.eye(P, P, dtype=torch.bool, device=dev)
+        # over slots 0 .. P-1 only (the rest is empty); padding sees itself only
+        mask = (causal & valid[:, None, None, :]) | eye
         slots = torch.arange(P, device=dev)
         return self.tp_model.forward(input_ids, pos, bufs.cache, mask, slots)
 

@@ -327,7 +327,8 @@ class TPCausalLM:
         return self.tp.all_reduce(x)
 
     def _attend(self, q, k, v, layer: int, cache: KVCache, mask, slots, length) -> torch.Tensor:
-        """Write ``k, v (B, nkv, T, D)`` at cache ``slots (T,)``, attend over every slot.
+        """Write ``k, v (B, nkv, T, D)`` at cache ``slots (T,)``, attend over the first
+        ``mask.shape[-1]`` slots (all ``S``, or a prefill's ``P``).
 
         Grouped-query heads without copying the cache: the ``G`` query heads of a KV head
         become ``G * T`` query rows of that head (the mask is repeated to match). With
@@ -343,8 +344,13 @@ class TPCausalLM:
         qg = q.reshape(b, self.nkv, g * t, hd)
         if g > 1 and t > 1:
             mask = mask[:, :, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)
+        n = mask.shape[-1]  # the slots the mask covers (a prefill's: its own P)
         out = F.scaled_dot_product_attention(
-            qg, cache.k[layer], cache.v[layer], attn_mask=mask, scale=1.0 / math.sqrt(hd)
+            qg,
+            cache.k[layer][:, :, :n],
+            cache.v[layer][:, :, :n],
+            attn_mask=mask,
+            scale=1.0 / math.sqrt(hd),
         )
         # sdpa may return a non-contiguous layout (backend-dependent): reshape, not view
         return out.reshape(b, self.nq, t, hd).transpose(1, 2).reshape(b, t, self.nq * hd)
@@ -460,8 +466,10 @@ class TPCausalLM:
             ids: ``(batch, T)`` int64 token ids.
             positions: ``(batch, T)`` int64 position ids.
             cache: the :class:`KVCache` (``S = cache.max_len`` slots).
-            mask: ``(batch, 1, T, S)`` bool (or ``(batch, 1, 1, S)`` for ``T = 1``),
-                True = may attend; every query must see at least one slot.
+            mask: ``(batch, 1, T, N)`` bool (or ``(batch, 1, 1, N)`` for ``T = 1``), True =
+                may attend, over the first ``N <= S`` slots (a prefill from slot 0 passes
+                ``N = T``: the empty slots after it cost no attention); every query must see
+                at least one slot.
             slots: ``(T,)`` int64 cache slots of the ``T`` new positions.
 
         Returns:
@@ -469,7 +477,8 @@ class TPCausalLM:
         """
         x = self._embed(ids)
         length = None
-        if ids.shape[1] == 1 and self.decode_kernel and mask.shape[2] == 1:
+        one_token = ids.shape[1] == 1 and mask.shape[2] == 1
+        if one_token and self.decode_kernel and mask.shape[-1] == cache.max_len:
             length = slots[-1:] + 1  # the slots a single-token step can see
         if self.llama:
             freqs = positions[..., None].float() * self.inv_freq
