@@ -15,6 +15,7 @@ partial softmaxes (running max, sum of exponentials, weighted values).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,32 +24,72 @@ import triton.language as tl
 _NEG_INF = tl.constexpr(float("-inf"))
 
 
+class RopeNew(NamedTuple):
+    """The new position of a RoPE model's decode step (see :func:`decode_attention`)."""
+
+    k: torch.Tensor  # (B, Hkv, D), not yet rotated
+    v: torch.Tensor  # (B, Hkv, D)
+    cos: torch.Tensor  # (B, D)
+    sin: torch.Tensor  # (B, D)
+
+
+def _check_rope(rope: RopeNew, B: int, Hkv: int, D: int) -> None:
+    k, v, cos, sin = rope
+    if (
+        k.shape != (B, Hkv, D)
+        or v.shape != k.shape
+        or cos.shape != (B, D)
+        or sin.shape != cos.shape
+    ):
+        raise ValueError(
+            f"decode_attention rope: k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
+            f"{tuple(cos.shape)}, sin {tuple(sin.shape)} (need k, v ({B}, {Hkv}, {D}), cos, sin "
+            f"({B}, {D}))"
+        )
+    if any(t.stride(-1) != 1 for t in rope) or cos.stride() != sin.stride():
+        raise ValueError("decode_attention rope: a contiguous last dim and equal cos/sin strides")
+
+
 @triton.jit
 def _split(
     q_ptr, k_ptr, v_ptr, valid_ptr, len_ptr, acc_ptr, ml_ptr, o_ptr,
+    kn_ptr, vn_ptr, cos_ptr, sin_ptr,
     sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, s_valid, so_b, so_h,
+    skn_b, skn_h, svn_b, svn_h, sc_b,
     scale, G, NSPLIT,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     rows = tl.arange(0, G_P2)
     d = tl.arange(0, D)
-    q = tl.load(
-        q_ptr + b * sq_b + (h * G + rows)[:, None] * sq_h + d[None, :],
-        mask=(rows < G)[:, None],
-        other=0.0,
-    )
+    q_at = q_ptr + b * sq_b + (h * G + rows)[:, None] * sq_h
+    q = tl.load(q_at + d[None, :], mask=(rows < G)[:, None], other=0.0)
     length = tl.load(len_ptr)
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, length)
+    kb = k_ptr + b.to(tl.int64) * sk_b + h * sk_h
+    vb = v_ptr + b.to(tl.int64) * sv_b + h * sv_h
+    if ROPE:
+        # HF's rotate-half RoPE in fp32, rounded once to the input dtype (as the separate
+        # kernel kernels/rope_cache.py does): x * cos + rotate_half(x) * sin
+        partner = (d + D // 2) % D
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        c = tl.load(cos_ptr + b * sc_b + d).to(tl.float32)
+        sn = tl.load(sin_ptr + b * sc_b + d).to(tl.float32)
+        qp = tl.load(q_at + partner[None, :], mask=(rows < G)[:, None], other=0.0)
+        q = (q.to(tl.float32) * c[None, :] + sign[None, :] * qp.to(tl.float32) * sn[None, :]).to(
+            q.dtype
+        )
+        # the new position (slot length - 1) is attended from registers by the split that
+        # holds it, which also writes it into the cache; the loop reads the slots before it
+        slot = length - 1
+        hi = tl.minimum(hi, slot)
     m = tl.full((G_P2,), _NEG_INF, tl.float32)
     lsum = tl.zeros((G_P2,), tl.float32)
     acc = tl.zeros((G_P2, D), tl.float32)
-    kb = k_ptr + b.to(tl.int64) * sk_b + h * sk_h
-    vb = v_ptr + b.to(tl.int64) * sv_b + h * sv_h
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         ok = n < hi
@@ -64,6 +105,24 @@ def _split(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         lsum = lsum * alpha + tl.sum(p, 1)
         m = m_new
+    if ROPE:
+        if (lo <= slot) & (slot < lo + SPLIT):
+            kn_at = kn_ptr + b * skn_b + h * skn_h
+            ka = tl.load(kn_at + d).to(tl.float32)
+            kp = tl.load(kn_at + partner).to(tl.float32)
+            kn = (ka * c + sign * kp * sn).to(k_ptr.dtype.element_ty)
+            vn = tl.load(vn_ptr + b * svn_b + h * svn_h + d)
+            tl.store(kb + slot * sk_s + d, kn)
+            tl.store(vb + slot * sv_s + d, vn.to(v_ptr.dtype.element_ty))
+            s = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * scale
+            m_new = tl.maximum(m, s)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            # as the loop's tl.dot(p.to(v.dtype), v): the weight rounded to the cache dtype
+            pv = p.to(v_ptr.dtype.element_ty).to(tl.float32)
+            acc = acc * alpha[:, None] + pv[:, None] * vn.to(tl.float32)[None, :]
+            lsum = lsum * alpha + p
+            m = m_new
     if DIRECT:  # one split: this program holds the whole softmax, no merge needed
         den = tl.where(lsum == 0.0, 1.0, lsum)  # padding rows (>= G): never stored
         tl.store(
@@ -137,8 +196,15 @@ def decode_attention(
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: int | None = None,
+    rope: RopeNew | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over the cache's first ``length`` slots.
+
+    With ``rope`` the step's RoPE and cache write happen here too (one launch per layer
+    instead of two): ``q`` is the un-rotated query, and the new position's key (rotated) and
+    value are written at slot ``length - 1`` and attended from registers by the program
+    whose split holds that slot, in the same arithmetic as
+    :func:`verl_comm.kernels.rope_cache.rope_write_cache` followed by this kernel.
 
     Args:
         q: ``(B, Hq, D)`` queries (last dim contiguous), ``Hq = G * Hkv``.
@@ -153,6 +219,9 @@ def decode_attention(
             split kernel. With one split the first kernel writes the output itself.
             num_stages: software-pipelining depth of the split kernel's loop (None: Triton's
             default).
+        rope: the new position's ``k``/``v`` ``(B, Hkv, D)`` and rotary tables ``cos``/``sin``
+            ``(B, D)`` (HF's layout), each with a contiguous last dim; ``kv_valid`` must
+            already be True at slot ``length - 1``.
 
     Returns:
         ``(B, Hq, D)`` in ``q``'s dtype: ``softmax(q k^T * scale, masked) v`` per query head.
@@ -191,12 +260,18 @@ def decode_attention(
     ml = torch.empty(n_part * 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     valid = kv_valid.view(torch.uint8)
+    if rope is not None:
+        _check_rope(rope, B, Hkv, D)
+        kn, vn, cos, sin = rope
+    else:
+        kn, vn, cos, sin = q, q, q, q  # unread
     _split[(B, Hkv, nsplit)](
-        q, k_cache, v_cache, valid, length, acc, ml, out,
+        q, k_cache, v_cache, valid, length, acc, ml, out, kn, vn, cos, sin,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], kv_valid.stride(0),
-        out.stride(0), out.stride(1), scale, G, nsplit,
-        SPLIT=split, BLOCK_N=block_n, G_P2=g_p2, D=D, DIRECT=direct, num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        out.stride(0), out.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        cos.stride(0), scale, G, nsplit,
+        SPLIT=split, BLOCK_N=block_n, G_P2=g_p2, D=D, DIRECT=direct, ROPE=rope is not None,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     if direct:
         return out

@@ -146,6 +146,23 @@ def _sweep_attention(B: int, S: int, L: int) -> None:
         q.view(B, 2, 7, 64), k, v, attn_mask=mask, scale=1 / math.sqrt(64)
     )
     print(f"sdpa (B,2,7,64) x (B,2,{S},64) masked: {_graph_time(sdpa) * 1e6:.1f} us")
+    from verl_comm.kernels.decode_attention import RopeNew
+    from verl_comm.kernels.rope_cache import rope_write_cache
+
+    kn, vn = torch.randn(B, 2, 64, **kw), torch.randn(B, 2, 64, **kw)
+    cos, sin = torch.rand(B, 64, **kw), torch.rand(B, 64, **kw)
+    slot = length - 1
+
+    def two_kernels():
+        qr = rope_write_cache(q, kn, vn, cos, sin, k, v, slot)
+        return decode_attention(qr, k, v, valid, length, 0.125)
+
+    def one_kernel():
+        return decode_attention(q, k, v, valid, length, 0.125, rope=RopeNew(kn, vn, cos, sin))
+
+    for name, fn in (("rope_write_cache + decode_attention", two_kernels),
+                     ("decode_attention(rope=...)", one_kernel)) * 2:  # fmt: skip
+        print(f"{name}, {L} slots: {_graph_time(fn) * 1e6:.1f} us")
     for split, block_n, warps in [(128, 64, 4), (64, 64, 4), (256, 64, 4), (128, 128, 4),
                                   (128, 64, 8), (256, 128, 8), (512, 64, 4), (64, 32, 2),
                                   (512, 128, 4), (512, 128, 8)]:  # fmt: skip

@@ -77,3 +77,56 @@ def test_bad_shapes_are_refused() -> None:
         decode_attention(q, k, k, valid, length, 1.0)
     with pytest.raises(ValueError, match="multiple of block_n"):
         decode_attention(q[:, :2], k, k, valid, length, 1.0, split=24, block_n=16)
+
+
+BF16_DOT = pytest.mark.skipif(
+    DEV == "cpu", reason="Triton's interpreter gives garbage for a bf16 tl.dot (CUDA only)"
+)
+
+
+@pytest.mark.parametrize("split", [16, None])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=BF16_DOT)])
+def test_rope_and_cache_write_inside_equal_the_eager_step(split: int | None, dtype) -> None:
+    """``rope=``: the kernel rotates q and the new key, writes the new key and value at slot
+    ``length - 1`` and attends over it: the same cache and output as the eager step
+    (rotate-half RoPE, ``index_copy_`` into the cache, then attention over the written
+    slots). q, k, v are views into one fused projection row (strided heads); split 16: the
+    new slot (32) opens the third split, so that split holds only it."""
+    from verl_ppo.rollout.tp_model import _rope_ref
+
+    g = torch.Generator().manual_seed(1)
+    B, Hkv, G, S, D, slot = 3, 2, 3, 40, 16, 32
+    qkv = torch.randn(B, (Hkv * G + 2 * Hkv) * D, generator=g).to(DEV, dtype)
+    q, k, v = qkv.split((Hkv * G * D, Hkv * D, Hkv * D), dim=1)
+    q, k, v = q.view(B, Hkv * G, D), k.view(B, Hkv, D), v.view(B, Hkv, D)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    f = torch.tensor([40.0, 7.0, 33.0])[:, None] * inv
+    cos, sin = (
+        t.to(DEV, dtype) for t in (torch.cat((f, f), -1).cos(), torch.cat((f, f), -1).sin())
+    )
+    kc = torch.randn(B, Hkv, S, D, generator=g).to(DEV, dtype)
+    vc = torch.randn(B, Hkv, S, D, generator=g).to(DEV, dtype)
+    valid = torch.zeros(B, S, dtype=torch.bool, device=DEV)
+    valid[:, : slot + 1] = True
+    valid[0, :5] = False  # left padding
+    length = torch.tensor([slot + 1], device=DEV)
+    # the eager step: RoPE in fp32 rounded once, the cache written, attention over it
+    qr, kr = _rope_ref(q.float(), k.float(), cos.float()[:, None], sin.float()[:, None])
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kc_ref[:, :, slot], vc_ref[:, :, slot] = kr.to(dtype), v
+    want = _reference(qr.to(dtype).float(), kc_ref.float(), vc_ref.float(), valid, 0.25)
+
+    from verl_comm.kernels.decode_attention import RopeNew
+
+    out = decode_attention(
+        q, kc, vc, valid, length, 0.25, split=split, block_n=16, rope=RopeNew(k, v, cos, sin)
+    )
+    # the rotated key: one rounding of the same fp32 value (a few fp32 ulp, one bf16 ulp);
+    # the value is copied
+    rtol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(kc.float(), kc_ref.float(), atol=rtol, rtol=rtol)
+    assert torch.equal(vc, vc_ref)
+    # output: the fp32 tolerance of the test above; in bf16 the rotated q and each softmax
+    # weight are rounded to bf16 before their products (2**-8 relative each, O(1) values)
+    tol = (1e-5 if DEV == "cpu" else 4e-3) if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)

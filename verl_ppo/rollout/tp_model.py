@@ -377,14 +377,24 @@ class TPCausalLM:
             u = F.linear(h, w[n.param(i, "up")], w.get(n.param(i, "up", "bias")))
         return _silu_mul(g, u) if self.silu else self.act(g) * u
 
-    def _decode_attend(self, q, layer: int, cache: KVCache, mask, length) -> torch.Tensor:
+    def _decode_attend(
+        self, q, layer: int, cache: KVCache, mask, length, rope=None
+    ) -> torch.Tensor:
         """Split-K decode attention (kernels/decode_attention.py) of ``q (B, nq, D)`` over
-        the cache's first ``length`` slots under ``mask (B, 1, 1, S)``; ``(B, 1, nq * D)``."""
+        the cache's first ``length`` slots under ``mask (B, 1, 1, S)``; ``(B, 1, nq * D)``.
+        With ``rope`` (a ``RopeNew``: Llama family) ``q`` is not yet rotated, and the kernel
+        also rotates the new key and writes it and the value at slot ``length - 1``."""
         from verl_comm.kernels.decode_attention import decode_attention
 
         b, hd = q.shape[0], self.dims.head_dim
         out = decode_attention(
-            q, cache.k[layer], cache.v[layer], mask[:, 0, 0], length, 1.0 / math.sqrt(hd)
+            q,
+            cache.k[layer],
+            cache.v[layer],
+            mask[:, 0, 0],
+            length,
+            1.0 / math.sqrt(hd),
+            rope=rope,
         )
         return out.reshape(b, 1, self.nq * hd)
 
@@ -399,20 +409,13 @@ class TPCausalLM:
         else:
             x, h = _add_rms_norm(x, r, w[n.param(i, "attn_norm")], self.eps)
         q, k, v = self._qkv(i, h)
-        if length is not None:  # one new token: RoPE and the cache write in one kernel
-            from verl_comm.kernels.rope_cache import rope_write_cache
+        if length is not None:  # one new token: RoPE, the cache write and attention
+            from verl_comm.kernels.decode_attention import RopeNew
 
-            q = rope_write_cache(
-                q.view(b, self.nq, hd),
-                k.view(b, self.nkv, hd),
-                v.view(b, self.nkv, hd),
-                cos.view(b, hd),
-                sin.view(b, hd),
-                cache.k[i],
-                cache.v[i],
-                slots,
+            new = RopeNew(
+                k.view(b, self.nkv, hd), v.view(b, self.nkv, hd), cos.view(b, hd), sin.view(b, hd)
             )
-            a = self._decode_attend(q, i, cache, mask, length)
+            a = self._decode_attend(q.view(b, self.nq, hd), i, cache, mask, length, new)
         else:
             q = q.view(b, t, self.nq, hd).transpose(1, 2)
             k = k.view(b, t, self.nkv, hd).transpose(1, 2)
