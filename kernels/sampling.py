@@ -22,6 +22,7 @@ device tensor, so a call never waits for the host and can be captured in a CUDA 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -43,8 +44,10 @@ def _partial(
     i_ptr,
     z_ptr,
     NCH,
+    step_ptr,
     GREEDY: tl.constexpr,
     BLOCK: tl.constexpr,
+    SEED_AT_STEP: tl.constexpr,
 ):
     row = tl.program_id(0)
     ch = tl.program_id(1)
@@ -62,7 +65,11 @@ def _partial(
         # use one of its four outputs: Philox's integer multiplies, not the bytes, then
         # bound this kernel); column k*4 + j of the chunk takes output j of call k
         q = tl.arange(0, BLOCK // 4)
-        r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), (row * NCH + ch) * (BLOCK // 4) + q)
+        if SEED_AT_STEP:  # seed_ptr: the rollout's seeds, one per step
+            seed = tl.load(seed_ptr + tl.load(step_ptr))
+        else:
+            seed = tl.load(seed_ptr)
+        r0, r1, r2, r3 = tl.randint4x(seed, (row * NCH + ch) * (BLOCK // 4) + q)
         u = tl.uint_to_uniform_float(tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), BLOCK))
         g = tl.where(ok, z - tl.log(-tl.log(u)), _NEG_INF)
     best = tl.argmax(g, 0)
@@ -77,7 +84,12 @@ def _partial(
 
 
 @triton.jit
-def _combine(m_ptr, s_ptr, g_ptr, i_ptr, z_ptr, tok_ptr, lp_ptr, NCH, NCH_P2: tl.constexpr):
+def _combine(
+    m_ptr, s_ptr, g_ptr, i_ptr, z_ptr, tok_ptr, lp_ptr, NCH,
+    step_ptr, done_ptr, finite_ptr, toks_ptr, lps_ptr, s_out, tok_in_ptr, pos_in_ptr, s_in,
+    eos_ptr, N_EOS, pad,
+    NCH_P2: tl.constexpr, RECORD: tl.constexpr, EOS_P2: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     c = tl.arange(0, NCH_P2)
     ok = c < NCH
@@ -92,8 +104,53 @@ def _combine(m_ptr, s_ptr, g_ptr, i_ptr, z_ptr, tok_ptr, lp_ptr, NCH, NCH_P2: tl
     pick = c == best
     idx = tl.sum(tl.where(pick, tl.load(i_ptr + base + c, mask=ok, other=0), 0), 0)
     z = tl.sum(tl.where(pick, tl.load(z_ptr + base + c, mask=ok, other=0.0), 0.0), 0)
-    tl.store(tok_ptr + row, idx.to(tl.int64))
-    tl.store(lp_ptr + row, z - lse)
+    tok = idx.to(tl.int64)
+    lp = z - lse
+    if RECORD:
+        # the decode loop's bookkeeping (verl_ppo.rollout.generate.settle) for this row
+        done = tl.load(done_ptr + row) != 0
+        tok = tl.where(done, pad, tok)
+        if (lp != lp) | (tl.abs(lp) == float("inf")):
+            tl.store(finite_ptr, 0)  # the flag only ever goes to 0: no race between rows
+        lp = tl.where(done, 0.0, lp)
+        e = tl.arange(0, EOS_P2)
+        eos = tl.load(eos_ptr + e, mask=e < N_EOS, other=-1)
+        hit = tl.sum(((eos == tok) & (e < N_EOS)).to(tl.int32), 0) > 0
+        tl.store(done_ptr + row, (done | hit).to(tl.uint8))
+        step = tl.load(step_ptr)
+        tl.store(toks_ptr + row * s_out + step, tok)
+        tl.store(lps_ptr + row * s_out + step, lp)
+        tl.store(tok_in_ptr + row * s_in, tok)
+        tl.store(pos_in_ptr + row * s_in, tl.load(pos_in_ptr + row * s_in) + 1)
+    tl.store(tok_ptr + row, tok)
+    tl.store(lp_ptr + row, lp)
+
+
+class Record(NamedTuple):
+    """The decode loop's state that :func:`gumbel_sample` updates with its draw (the
+    bookkeeping of ``verl_ppo.rollout.generate.settle`` and the next step's inputs, in the
+    combining kernel: no extra launch).
+
+    Attributes:
+        step: ``(1,)`` int64, the response step ``t``: the draw's seed is ``seeds[t]`` and
+            the token and log-prob are stored at column ``t``.
+        done: ``(B,)`` bool: rows done get ``pad`` and a 0 log-prob; updated with the EOS hits.
+        finite: ``()`` bool, set False when a log-prob is not finite (before the zeroing).
+        tokens, log_probs: ``(B, S)`` int64 and float32 (row stride equal), column ``t`` written.
+        tok_in, pos_in: ``(B, 1)`` int64 (row stride equal): the token is written to
+            ``tok_in``, ``pos_in`` advances by one.
+        eos: ``(n,)`` int64 EOS ids, or None. pad: the id of finished rows.
+    """
+
+    step: torch.Tensor
+    done: torch.Tensor
+    finite: torch.Tensor
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    tok_in: torch.Tensor
+    pos_in: torch.Tensor
+    eos: torch.Tensor | None
+    pad: int
 
 
 def gumbel_sample(
@@ -103,6 +160,7 @@ def gumbel_sample(
     *,
     block: int = 4096,
     num_warps: int = 8,
+    record: Record | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of ``softmax(logits / temperature)`` and its log-probability.
 
@@ -112,7 +170,10 @@ def gumbel_sample(
         temperature: > 0.
         seed: ``(1,)`` int64 tensor on ``logits``' device, the Philox seed of this draw
             (same seed and logits give the same tokens); None = greedy (argmax of the logits,
-            no randomness).
+            no randomness). With ``record``: the rollout's ``(S,)`` seeds, of which the draw
+            uses ``seed[record.step]``.
+        record: the decode loop's state to update (:class:`Record`); the returned tokens and
+            log-probs are then the settled ones (``pad`` and 0 for rows already done).
         block: vocabulary columns per program (a power of 2, at least 4: four per Philox
             call). num_warps: per program.
 
@@ -134,7 +195,9 @@ def gumbel_sample(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if block < 4 or block & (block - 1):
         raise ValueError(f"block must be a power of 2, at least 4, got {block}")
-    if seed is not None and (seed.numel() != 1 or seed.device != logits.device):
+    if seed is not None and (
+        (seed.numel() != 1 and record is None) or seed.device != logits.device
+    ):
         raise ValueError("seed must be a one-element tensor on the logits' device")
     B, V = logits.shape
     nch = triton.cdiv(V, block)
@@ -146,6 +209,17 @@ def gumbel_sample(
     tok = torch.empty(B, dtype=torch.int64, device=dev)
     lp = torch.empty(B, dtype=torch.float32, device=dev)
     seed_arg = seed if seed is not None else tok  # unread when greedy
+    if record is not None:
+        _check_record(record, B, dev)
+        r = record
+        eos = r.eos if r.eos is not None else tok  # unread: N_EOS = 0
+        n_eos = 0 if r.eos is None else r.eos.numel()
+        rec = (r.step, r.done.view(torch.uint8), r.finite.view(torch.uint8), r.tokens,
+               r.log_probs, r.tokens.stride(0), r.tok_in, r.pos_in, r.tok_in.stride(0),
+               eos, n_eos, r.pad)  # fmt: skip
+    else:
+        n_eos = 0
+        rec = (tok, tok, tok, tok, lp, 0, tok, tok, 0, tok, 0, 0)  # unread
     _partial[(B, nch)](
         logits,
         logits.stride(0),
@@ -156,9 +230,39 @@ def gumbel_sample(
         idx,
         zsel,
         nch,
+        rec[0],
         GREEDY=seed is None,
         BLOCK=block,
+        SEED_AT_STEP=record is not None,
         num_warps=num_warps,
     )
-    _combine[(B,)](*parts, idx, zsel, tok, lp, nch, NCH_P2=triton.next_power_of_2(nch))
+    _combine[(B,)](
+        *parts, idx, zsel, tok, lp, nch, *rec,
+        NCH_P2=triton.next_power_of_2(nch), RECORD=record is not None,
+        EOS_P2=max(triton.next_power_of_2(n_eos), 2),
+    )  # fmt: skip
     return tok, lp
+
+
+def _check_record(r: Record, B: int, dev: torch.device) -> None:
+    """Raise ValueError unless ``r``'s tensors have the shapes, dtypes and device it needs."""
+    want = {
+        "step": ((1,), torch.int64),
+        "done": ((B,), torch.bool),
+        "finite": ((), torch.bool),
+        "tokens": ((B, r.tokens.shape[-1]), torch.int64),
+        "log_probs": ((B, r.tokens.shape[-1]), torch.float32),
+        "tok_in": ((B, 1), torch.int64),
+        "pos_in": ((B, 1), torch.int64),
+    }
+    for name, (shape, dtype) in want.items():
+        t = getattr(r, name)
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != dev:
+            raise ValueError(
+                f"gumbel_sample record.{name}: need {shape} {dtype} on {dev}, got "
+                f"{tuple(t.shape)} {t.dtype} on {t.device}"
+            )
+    if r.tokens.stride() != r.log_probs.stride() or r.tok_in.stride() != r.pos_in.stride():
+        raise ValueError("gumbel_sample record: tokens/log_probs and tok_in/pos_in strides differ")
+    if r.eos is not None and (r.eos.dtype != torch.int64 or r.eos.device != dev):
+        raise ValueError("gumbel_sample record.eos: need int64 ids on the logits' device")

@@ -85,3 +85,65 @@ def test_torch_sampler_draws_what_multinomial_draws(top_k: int, top_p: float) ->
     probs = filter_logits(logits, 0.8, top_k, top_p).softmax(-1)
     want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(11)).squeeze(-1)
     assert torch.equal(tok, want)
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_record_does_the_decode_loops_bookkeeping(sampled: bool) -> None:
+    """``record=``: the draw of ``seed=seeds[t:t+1]``, then ``settle`` (pad and 0 for rows
+    already done, the finite flag, EOS), the token and log-prob at column ``t``, the next
+    token and position: the torch bookkeeping of the decode loop, bit for bit."""
+    from verl_comm.kernels.sampling import Record
+
+    from verl_ppo.rollout.generate import settle
+
+    g = torch.Generator().manual_seed(3)
+    B, V, S, t = 6, 40, 5, 2
+    logits = (torch.randn(B, V, generator=g) * 2).to(DEV)
+    logits[:, 7] = 9.0  # likely drawn: an EOS id
+    logits[4, 3] = float("inf")  # a diverged row: a NaN log-prob, the finite flag drops
+    seeds = torch.randint(0, 2**62, (S,), generator=g).to(DEV) if sampled else None
+    eos = torch.tensor([7, 11], device=DEV)
+    done0 = torch.tensor([False, True, False, False, False, True], device=DEV)
+    tok, lp = gumbel_sample(logits, 0.8, seeds[t : t + 1] if sampled else None, block=16)
+    done_ref, fin_ref = done0.clone(), torch.ones((), dtype=torch.bool, device=DEV)
+    tok, lp = settle(tok, lp, done_ref, fin_ref, eos, 3)
+
+    rec = Record(
+        step=torch.tensor([t], device=DEV),
+        done=done0.clone(),
+        finite=torch.ones((), dtype=torch.bool, device=DEV),
+        tokens=torch.zeros(B, S, dtype=torch.int64, device=DEV),
+        log_probs=torch.zeros(B, S, device=DEV),
+        tok_in=torch.zeros(B, 1, dtype=torch.int64, device=DEV),
+        pos_in=torch.arange(B, device=DEV)[:, None] + 10,
+        eos=eos,
+        pad=3,
+    )
+    got_tok, got_lp = gumbel_sample(logits, 0.8, seeds, block=16, record=rec)
+    assert torch.equal(got_tok, tok) and torch.equal(got_lp.nan_to_num(-1), lp.nan_to_num(-1))
+    assert torch.equal(rec.done, done_ref) and bool(rec.finite) == bool(fin_ref) is False
+    assert torch.equal(rec.tokens[:, t], tok) and not rec.tokens[:, [0, 1, 3, 4]].any()
+    assert torch.equal(rec.log_probs[:, t].nan_to_num(-1), lp.nan_to_num(-1))
+    assert torch.equal(rec.tok_in[:, 0], tok)
+    assert torch.equal(rec.pos_in[:, 0], torch.arange(B, device=DEV) + 11)
+    assert rec.done[[1, 5]].all() and (tok[[1, 5]] == 3).all() and (lp[[1, 5]] == 0).all()
+    assert rec.done.sum() > 2  # an EOS was drawn by a row not done before
+
+
+def test_record_refuses_mismatched_state() -> None:
+    from verl_comm.kernels.sampling import Record
+
+    B = 2
+    rec = Record(
+        step=torch.zeros(1, dtype=torch.int64, device=DEV),
+        done=torch.zeros(B, dtype=torch.bool, device=DEV),
+        finite=torch.ones((), dtype=torch.bool, device=DEV),
+        tokens=torch.zeros(B, 4, dtype=torch.int64, device=DEV),
+        log_probs=torch.zeros(B, 4, device=DEV),
+        tok_in=torch.zeros(B, 1, dtype=torch.int32, device=DEV),  # wrong dtype
+        pos_in=torch.zeros(B, 1, dtype=torch.int64, device=DEV),
+        eos=None,
+        pad=0,
+    )
+    with pytest.raises(ValueError, match="record.tok_in"):
+        gumbel_sample(torch.zeros(B, 8, device=DEV), 1.0, None, block=8, record=rec)

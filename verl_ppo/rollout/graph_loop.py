@@ -12,11 +12,12 @@ filled once per rollout (:func:`~verl_ppo.rollout.sampler.draw_seeds`, the seeds
 prefill, the first draw (eager, the same code), then ``R - 1`` replays with a host check
 of "every row done" every ``sync_every`` replays.
 
-The draw and the bookkeeping are the functions :func:`decode_loop` calls
-(:func:`~verl_ppo.rollout.sampler.sample_next`,
-:func:`~verl_ppo.rollout.generate.settle`), on the same seeds: the graph gives
-:func:`decode_loop`'s tokens and log-probs bit for bit
-(``tests/verl_ppo/test_rollout_paths.py``, ``tests/verl_ppo/test_graph_loop.py``).
+The draw is the one sampler's (:func:`~verl_ppo.rollout.sampler.sample_and_record`: the
+one-pass kernel of :func:`~verl_ppo.rollout.sampler.sample_next` on the same seeds), and its
+combining kernel also does :func:`~verl_ppo.rollout.generate.settle`'s bookkeeping, so the
+captured step adds the sampler's two kernels and two counter increments to the model's: the
+graph gives :func:`decode_loop`'s tokens and log-probs bit for bit
+(``tests/verl_ppo/test_graph_loop.py``, ``tests/kernels/test_sampling_triton.py``).
 
 Used where the one-pass sampler applies (CUDA, no top-k / top-p: its draw needs no host
 work) and the caller does not sample itself (the TP path samples on one member and
@@ -31,7 +32,13 @@ from dataclasses import dataclass, field
 import torch
 
 from verl_ppo.rollout.generate import RolloutOutput, finish, loop_setup, settle
-from verl_ppo.rollout.sampler import SamplingParams, draw_seeds, sample_next
+from verl_ppo.rollout.sampler import (
+    SamplingParams,
+    draw_seeds,
+    fused_applies,
+    sample_and_record,
+    sample_next,
+)
 
 
 @dataclass
@@ -94,17 +101,26 @@ def draw_and_record(
     next model step's input: ``inputs = (tok (B, 1), pos (B, 1), slot (1,))`` of the model
     step; the position and the slot advance by one, and so does ``lb.step``.
 
-    With seeds (the one-pass sampler drawing) ``generator`` is not touched, so this can run
-    inside a captured graph.
+    Where the one-pass sampler draws, it does the bookkeeping in its own combining kernel
+    (:func:`~verl_ppo.rollout.sampler.sample_and_record`) with the seed ``lb.seeds[step]``
+    and ``generator`` is not touched, so this runs inside a captured graph: four kernels (the
+    sampler's two, two counters). Otherwise: :func:`sample_next` and
+    :func:`~verl_ppo.rollout.generate.settle` in torch (the eager reference).
     """
     tok_in, pos_in, slot_in = inputs
-    seed = lb.seeds.index_select(0, lb.step) if params.do_sample else None
-    tok, lp = sample_next(logits, params, generator, seed)
-    tok, lp = settle(tok, lp, lb.done, lb.finite, eos, pad)
-    lb.tokens.index_copy_(1, lb.step, tok[:, None])
-    lb.log_probs.index_copy_(1, lb.step, lp[:, None])
-    tok_in.copy_(tok[:, None])
-    pos_in.add_(1)
+    if fused_applies(logits, params, generator):  # the bookkeeping in the sampler's kernel
+        from verl_comm.kernels.sampling import Record
+
+        rec = Record(lb.step, lb.done, lb.finite, lb.tokens, lb.log_probs, tok_in, pos_in, eos, pad)
+        sample_and_record(logits, params, lb.seeds, rec)
+    else:
+        seed = lb.seeds.index_select(0, lb.step) if params.do_sample else None
+        tok, lp = sample_next(logits, params, generator, seed)
+        tok, lp = settle(tok, lp, lb.done, lb.finite, eos, pad)
+        lb.tokens.index_copy_(1, lb.step, tok[:, None])
+        lb.log_probs.index_copy_(1, lb.step, lp[:, None])
+        tok_in.copy_(tok[:, None])
+        pos_in.add_(1)
     slot_in.add_(1)
     lb.step.add_(1)
 

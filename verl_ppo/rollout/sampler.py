@@ -16,6 +16,7 @@ it over instead of a second forward (``actor.old_log_prob: auto``, bypass mode).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -181,3 +182,31 @@ def sample_next(
         tok = probs.div_(q).argmax(-1).to(logits.device)
     logp = z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return tok, logp
+
+
+def sample_and_record(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seeds: torch.Tensor | None,
+    record: Any,
+) -> None:
+    """:func:`sample_next`'s one-pass draw (where :func:`fused_applies`) with step ``t``'s
+    seed ``seeds[t]``, ``t = record.step``, and the decode loop's bookkeeping
+    (:func:`verl_ppo.rollout.generate.settle`, the token and log-prob stored at column ``t``,
+    the next step's token and position) done by the sampler's own combining kernel: the
+    captured decode step's draw (:mod:`verl_ppo.rollout.graph_loop`), no launch beyond the
+    sampler's two. Same tokens as :func:`sample_next` with ``seed=seeds[t:t+1]``.
+
+    Args:
+        logits: ``(B, V)`` on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+        seeds: :func:`draw_seeds`' ``(S,)`` seeds; None when greedy.
+        record: a :class:`verl_comm.kernels.sampling.Record`.
+    """
+    from verl_comm.kernels.sampling import gumbel_sample
+
+    gumbel_sample(
+        logits.contiguous(),
+        params.temperature,
+        seeds if params.do_sample else None,
+        record=record,
+    )
