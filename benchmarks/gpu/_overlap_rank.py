@@ -55,7 +55,10 @@ def forced_lengths(lo: int, hi: int, seed: int):
     decode loop: the HF one and the static-cache / CUDA-graph one) emits EOS at step
     ``L - 1`` of each row (``L`` from :func:`row_lengths`), with that token's log-probability
     under the temperature-scaled logits; other tokens are sampled as usual. The loop then
-    stops at the batch's longest row, as it does when a model ends its answers."""
+    stops at the batch's longest row, as it does when a model ends its answers. The static
+    decoder samples outside its graph within the block (the captured draw would skip the
+    loop), so the rollout's decode steps each take a Python loop turn as before the captured
+    draw existed."""
     import verl_ppo.rollout.cuda_graph as cg
     import verl_ppo.rollout.generate as gen
 
@@ -70,8 +73,12 @@ def forced_lengths(lo: int, hi: int, seed: int):
         params, generator, base = kw["params"], kw.get("generator"), kw.get("pick")
         t = [0]
 
-        def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            tok, lp = base(logits) if base else gen.sample_next(logits, params, generator)
+        def pick(
+            logits: torch.Tensor, seed: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            tok, lp = (
+                base(logits, seed) if base else gen.sample_next(logits, params, generator, seed)
+            )
             if t[0] in at:  # a host-side test: no device sync per step
                 force = ends == t[0]
                 scaled = logits.float() / params.temperature
@@ -83,11 +90,15 @@ def forced_lengths(lo: int, hi: int, seed: int):
 
         return orig(prefill, step, input_ids, attention_mask, **{**kw, "pick": pick})
 
+    # the captured draw (rollout/graph_loop.py) would bypass the loop: sample outside the graph
+    fused_on = cg.fused_sampler_on
     gen.decode_loop, cg.decode_loop = loop, loop
+    cg.fused_sampler_on = lambda *a: False
     try:
         yield
     finally:
         gen.decode_loop, cg.decode_loop = orig, orig
+        cg.fused_sampler_on = fused_on
 
 
 def job_config(a: argparse.Namespace, s: Setup, run_dir: str) -> dict[str, Any]:
