@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from verl_ppo.rollout.generate import generate
+from verl_ppo.rollout.generate import generate, sampling_kwargs
 
 
 def _hf_logits(model, seq: torch.Tensor, mask: torch.Tensor, P: int) -> torch.Tensor:
@@ -84,24 +84,10 @@ def assert_decoders_match_generate(
                 else:
                     _assert_greedy_bf16(model, got, want, mask, P, name)
                 continue
-            out = dec.rollout(
-                ids,
-                mask,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=-1,
-                pad_token_id=0,
-                params=kw_params(sample),
-                generator=torch.Generator(dev).manual_seed(1),
-            )
+            gen = torch.Generator(dev).manual_seed(1)
+            out = dec.rollout(ids, mask, generator=gen, **sampling_kwargs(kw))
             lg = _hf_logits(model, out.sequences, mask, P)
             hf_lp = torch.log_softmax(lg, -1).gather(-1, out.sequences[:, P:, None]).squeeze(-1)
             bound = 2 * _bf16_bound(lg)  # a log-prob holds the token's logit and the logsumexp
             err = (out.log_probs - hf_lp).abs().max().item()
             assert err <= bound, f"{name}: sampled log-probs off HF's by {err} > {bound}"
-
-
-def kw_params(sample: bool):
-    """The :class:`~verl_ppo.rollout.sampler.SamplingParams` of ``generate(do_sample=...)``."""
-    from verl_ppo.rollout.sampler import SamplingParams
-
-    return SamplingParams(do_sample=sample)

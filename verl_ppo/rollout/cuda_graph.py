@@ -39,7 +39,7 @@ from verl_ppo.rollout.generate import (
     decode_loop,
     sampling_kwargs,
 )
-from verl_ppo.rollout.graph_loop import LoopBuffers, graph_rollout
+from verl_ppo.rollout.graph_loop import LoopBuffers, capture, graph_rollout
 from verl_ppo.rollout.sampler import SamplingParams, fused_sampler_on
 from verl_ppo.rollout.tp_model import KVCache, TPCausalLM, TPGroup
 
@@ -184,16 +184,7 @@ class StaticCacheDecoder:
         slot written with the same keys and values), so they leave the state the step
         leaves."""
         bufs.graph = None  # free the previous graph's pool first
-        s = torch.cuda.Stream(device=self.device)
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._step(bufs)
-        torch.cuda.current_stream(self.device).wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            bufs.logits = self._step(bufs)
-        bufs.graph = graph
+        bufs.graph, bufs.logits = capture(lambda: self._step(bufs), self.device)
         bufs.param_ptrs = self.tp_model.param_ptrs()
         self.captures += 1
 
@@ -286,6 +277,14 @@ class StaticCacheDecoder:
                 f"prompt {P} + max_new_tokens {max_new_tokens} exceeds the static cache "
                 f"max_seq_len={self.max_seq_len}; build the decoder with a larger max_seq_len"
             )
+        loop_kw = dict(
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            params=params,
+            generator=generator,
+            sync_every=sync_every,
+        )
         if (
             pick is None
             and self.use_cuda_graph
@@ -303,27 +302,17 @@ class StaticCacheDecoder:
                 self._loops[B],
                 input_ids,
                 attention_mask,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=eos_token_id,
-                pad_token_id=pad_token_id,
-                params=params,
-                generator=generator,
                 param_ptrs=self.tp_model.param_ptrs(),
-                sync_every=sync_every,
                 on_capture=self._count_capture,
+                **loop_kw,
             )
         return decode_loop(
             lambda: self.prefill(input_ids, attention_mask),
             lambda tok, pos, t: self.decode(tok, pos, P + t),
             input_ids,
             attention_mask,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            params=params,
-            generator=generator,
             pick=pick,
-            sync_every=sync_every,
+            **loop_kw,
         )
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kw) -> torch.Tensor:

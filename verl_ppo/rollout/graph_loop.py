@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from verl_ppo.rollout.generate import RolloutOutput, finish, loop_setup, settle
+from verl_ppo.rollout.generate import RolloutOutput, eos_list, finish, loop_setup, settle
 from verl_ppo.rollout.sampler import (
     SamplingParams,
     draw_seeds,
@@ -168,7 +169,7 @@ def graph_rollout(
     if not 1 <= max_new_tokens <= lb.tokens.shape[1]:
         raise ValueError(f"max_new_tokens must be in 1..{lb.tokens.shape[1]}, got {max_new_tokens}")
     dev = lb.tokens.device
-    tok_in, pos_in, slot_in = inputs
+    pos_in, slot_in = inputs[1:]
     eos_t, pad = loop_setup(eos_token_id, pad_token_id, dev)
     seeds = draw_seeds(dev, params, generator, max_new_tokens)
     cap = None
@@ -178,7 +179,7 @@ def graph_rollout(
                 "a captured decode step draws with the one-pass sampler only (CUDA, no "
                 "top_k / top_p, the generator on the logits' device)"
             )
-        key = (params, None if eos_t is None else tuple(eos_t.tolist()), pad)
+        key = (params, tuple(eos_list(eos_token_id)), pad)
         cap = lb.graphs.get(key)
         if cap is None or cap.param_ptrs != param_ptrs:
             lb.graphs.pop(key, None)  # free the stale graph's pool first
@@ -205,9 +206,24 @@ def graph_rollout(
         else:
             draw_and_record(model_step(), lb, inputs, params, generator, eos_t, pad)
         n += 1
-    return finish(
-        input_ids, lb.tokens[:, :n].clone(), lb.log_probs[:, :n].clone(), lb.finite, eos_t
-    )
+    # finish copies the tokens into the sequences; the log-probs leave the static buffer here
+    return finish(input_ids, lb.tokens[:, :n], lb.log_probs[:, :n].clone(), lb.finite, eos_t)
+
+
+def capture(fn: Callable[[], Any], device: torch.device, warmups: int = 2) -> tuple[Any, Any]:
+    """``fn`` run ``warmups`` times on a side stream (allocator and Triton warm-up, as
+    ``torch.cuda.graph`` asks), then captured; returns ``(graph, fn's result inside the
+    capture)``. The decoders' model-step graph and the loop's graph are both made here."""
+    s = torch.cuda.Stream(device=device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def _capture(
@@ -218,27 +234,15 @@ def _capture(
     eos: torch.Tensor | None,
     pad: int,
 ) -> torch.cuda.CUDAGraph:
-    """Warm up on a side stream, then capture the model step and the draw as one graph.
+    """The model step and the draw captured as one graph.
 
-    The warm-ups write cache slots 0 and 1 and the loop's buffers; the rollout resets the
-    buffers after, and the prefill rewrites the cache and its valid-slot mask.
+    The warm-ups write cache slots 0 and 1 and the loop's buffers (from slot 0 on); the
+    rollout resets the buffers after, and the prefill rewrites the cache and its
+    valid-slot mask.
     """
-    tok_in, pos_in, slot_in = inputs
-    for t in (tok_in, pos_in, slot_in, lb.step):
+    for t in (*inputs, lb.step):
         t.zero_()
-
-    def body() -> None:
-        draw_and_record(model_step(), lb, inputs, params, None, eos, pad)
-
-    s = torch.cuda.Stream(device=lb.tokens.device)
-    s.wait_stream(torch.cuda.current_stream(lb.tokens.device))
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            body()
-    torch.cuda.current_stream(lb.tokens.device).wait_stream(s)
-    for t in (tok_in, pos_in, slot_in, lb.step):
-        t.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    return graph
+    return capture(
+        lambda: draw_and_record(model_step(), lb, inputs, params, None, eos, pad),
+        lb.tokens.device,
+    )[0]

@@ -16,9 +16,12 @@ it over instead of a second forward (``actor.old_log_prob: auto``, bypass mode).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from verl_comm.kernels.sampling import Record
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,7 @@ def sample_and_record(
     logits: torch.Tensor,
     params: SamplingParams,
     seeds: torch.Tensor | None,
-    record: Any,
+    record: Record,
 ) -> None:
     """:func:`sample_next`'s one-pass draw (where :func:`fused_applies`) with step ``t``'s
     seed ``seeds[t]``, ``t = record.step``, and the decode loop's bookkeeping
@@ -200,7 +203,7 @@ def sample_and_record(
     Args:
         logits: ``(B, V)`` on CUDA (or CPU under ``TRITON_INTERPRET=1``).
         seeds: :func:`draw_seeds`' ``(S,)`` seeds; None when greedy.
-        record: a :class:`verl_comm.kernels.sampling.Record`.
+        record: the loop state the kernel updates.
     """
     from verl_comm.kernels.sampling import gumbel_sample
 
