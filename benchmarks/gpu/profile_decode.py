@@ -4,8 +4,9 @@
 :meth:`verl_ppo.observe.perf.ModelFlops.decode_floor_s`).
 
 Prints: the whole rollout's time and its fraction of the floor; a decode step split into
-the model's step (graph replay, or eager) and the sampler; and torch.profiler's kernel tables
-of a few steps of each, and of the prefill.
+the model's step (graph replay, or eager) and the sampler; the one-pass sampler alone in a CUDA
+graph (sampled and greedy) against the logits' bytes; and torch.profiler's kernel tables of a
+few steps of each, and of the prefill.
 
     python benchmarks/gpu/profile_decode.py [--shape qwen05b] [--layers N] [--batch 128]
         [--prompt 256] [--new 256] [--tables] [--sweep]
@@ -120,6 +121,22 @@ def _measure(model, ids, mask, S, R, params, kernel, fused, a, floors) -> None:
         f"{t_pre * 1e3:.2f} ms; model step {t_step * 1e3:.3f} ms; sampler {t_samp * 1e3:.3f} "
         f"ms; per step incl. loop {(t_roll - t_pre) / R * 1e3:.3f} ms (floor {step_floor * 1e3:.3f} ms)"
     )
+    if kernel and fused:
+        from verl_comm.kernels.sampling import gumbel_sample
+
+        from verl_ppo.observe.perf import device_peaks
+
+        seed = torch.tensor([1234], device="cuda")
+        t_draw = _graph_time(lambda: gumbel_sample(logits, 1.0, seed))
+        t_greedy = _graph_time(lambda: gumbel_sample(logits, 1.0, None))
+        peaks = device_peaks(torch.device("cuda"))
+        nbytes = logits.numel() * logits.element_size()
+        floor_us = f"{nbytes / peaks[1] * 1e6:.1f} us" if peaks else "unknown device"
+        print(
+            f"one-pass sampler in a CUDA graph, {tuple(logits.shape)} {logits.dtype}: sampled "
+            f"{t_draw * 1e6:.1f} us, greedy {t_greedy * 1e6:.1f} us (logits' bytes at HBM "
+            f"bandwidth: {floor_us})"
+        )
     if kernel and fused and a.tables:
         _table(lambda: dec.decode(tok, pos, P + 100), 10, "decode step (model)")
         _table(lambda: sample_next(logits, params, gen), 10, "sampler")
