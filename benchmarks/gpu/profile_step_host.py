@@ -7,7 +7,10 @@ process), samples the main thread's Python stack every ``--interval-ms`` from a 
 thread (``sys._current_frames``) during the timed steps, and attributes each sample
 inside ``PPOTrainer.train_step`` either to a phase or to the function the step was in
 (the caller of the innermost frame that is not a phase). Prints milliseconds per step by
-place, largest first, next to the measured step and phase times.
+place, largest first, next to the measured step and phase times. Samples are taken when
+the sampler thread gets the GIL, so they lean towards calls that release it; the step's
+own functions between phases (:data:`TIMED`) and each phase's wait at entry for device work
+queued before it are also timed exactly, by wrapping them.
 
     python benchmarks/gpu/profile_step_host.py --model-dir .whl/tok [workload options]
 
@@ -41,6 +44,51 @@ PHASE_CALLEES = {
     "score": "reward",
 }
 OWNERS = ("train_step", "make_experience")
+# (module, class or None, function) timed exactly: the step's work outside its phases.
+TIMED = (
+    ("verl_ppo.step.experience_maker", "ExperienceMaker", "prompts"),
+    ("verl_ppo.step.experience_maker", "ExperienceMaker", "encode"),
+    ("verl_ppo.step.experience_maker", "ExperienceMaker", "_response_mask"),
+    ("verl_ppo.step.ppo_step", None, "rollout_metrics"),
+    ("verl_ppo.step.ppo_step", "PPOStep", "_perf_metrics"),
+    ("verl_ppo.step.ppo_step", "PPOStep", "_comm_metrics"),
+    ("verl_ppo.step.ppo_step", "PPOStep", "_reduce_metrics"),
+)
+
+
+def wrap_timed(acc: collections.Counter, on: threading.Event) -> None:
+    """Wrap :data:`TIMED` and ``Phase.__enter__``'s device wait; seconds into ``acc``."""
+    import importlib
+
+    import torch
+
+    from verl_comm.profiler import phases
+
+    def timed(name: str, fn: Any) -> Any:
+        def inner(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                if on.is_set():
+                    acc[name] += time.perf_counter() - t0
+
+        return inner
+
+    for mod, cls, fn in TIMED:
+        owner = importlib.import_module(mod)
+        owner = getattr(owner, cls) if cls else owner
+        setattr(owner, fn, timed(fn, getattr(owner, fn)))
+    enter = phases.Phase.__enter__
+
+    def entered(self: Any) -> Any:
+        if self.sync and on.is_set():
+            t0 = time.perf_counter()
+            torch.cuda.synchronize()
+            acc["sync at phase entry: " + self.name] += time.perf_counter() - t0
+        return enter(self)
+
+    phases.Phase.__enter__ = entered
 
 
 def classify(frame: Any) -> str | None:
@@ -58,7 +106,10 @@ def classify(frame: Any) -> str | None:
         if code.co_name in OWNERS:
             if i + 1 == len(chain):
                 return f"gap:{code.co_name}:{chain[i].f_lineno}"
-            callee = chain[i + 1].f_code.co_name
+            j = i + 1
+            while j + 1 < len(chain) and chain[j].f_code.co_name == "inner":  # wrap_timed
+                j += 1
+            callee = chain[j].f_code.co_name
             if callee in PHASE_CALLEES:
                 return f"phase:{PHASE_CALLEES[callee]}"
             if callee == "make_experience":
@@ -107,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sampler = Sampler(threading.get_ident(), a.interval_ms / 1e3)
     sampler.start()
+    exact: collections.Counter[str] = collections.Counter()
+    wrap_timed(exact, sampler.on)
     orig = ps.PPOStep.train_step
     walls: list[float] = []
 
@@ -139,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     print("samples by place (ms per step, scaled to train_step's wall time):")
     for place, c in sampler.counts.most_common(25):
         print(f"  {c / total * per * 1e3:8.2f}  {place}")
+    print("timed exactly (ms per step):")
+    for name, sec in exact.most_common():
+        print(f"  {sec / n * 1e3:8.2f}  {name}")
     return 0
 
 
