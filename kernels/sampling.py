@@ -7,15 +7,16 @@ input with a host sync (``.item()``) on every call, so the host can never run ah
 Here the logits are read once:
 
 - the draw is the Gumbel-max trick, ``argmax_i(z_i - log(-log u_i))`` with ``z = logits / T``
-  and ``u_i`` uniform from Triton's Philox (``tl.randint4x``: one call per four columns), which
-  samples
-  ``softmax(z)`` exactly (Gumbel 1954; e.g. Jang et al. 2017, eq. 1); ``torch.multinomial``'s
-  own one-sample path is the same trick in its exponential form (``argmax p_i / e_i``,
+  and ``u_i`` uniform from Triton's Philox (``tl.randint4x``: one call per four columns),
+  which samples ``softmax(z)`` exactly (Gumbel 1954; e.g. Jang et al. 2017, eq. 1);
+  ``torch.multinomial``'s own one-sample path is the same trick in its exponential form
+  (``argmax p_i / e_i``,
   ``aten/src/ATen/native/Distributions.cpp``); it is computed in base 2,
   ``argmax_i(log2(e) z_i - log2(-log2 u_i))`` (the same argmax: both sides differ by a
   constant and a positive factor), with the GPU's approximate ``lg2`` (Philox and two
-  accurate logs per column made the kernel compute-bound: about 82 us against its 12 us of
-  bytes at batch 128 x 151936 on an H100, 51 us with the approximate log);
+  accurate logs per column made the kernel compute-bound: on an H100 at 128 x 151936 bf16,
+  in a CUDA graph, 84 us with accurate logs against 70-71 us with the approximate one, and
+  12 us to read the logits once; ``benchmarks/gpu/profile_decode.py``);
 - the log-probability of the drawn token, ``z_tok - logsumexp(z)``, comes from an online
   max / sum-of-exponentials in the same pass.
 
