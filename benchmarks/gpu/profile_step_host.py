@@ -45,9 +45,12 @@ PHASE_CALLEES = {
 }
 OWNERS = ("train_step", "make_experience")
 # (module, class or None, function) timed exactly: the step's work outside its phases.
+# step_prompts is the step's wait for its prompts; prompts and _tokenize run on the
+# prefetch thread (verl_ppo/step/prompt_prefetch.py), overlapped with the step.
 TIMED = (
+    ("verl_ppo.step.experience_maker", "ExperienceMaker", "step_prompts"),
     ("verl_ppo.step.experience_maker", "ExperienceMaker", "prompts"),
-    ("verl_ppo.step.experience_maker", "ExperienceMaker", "encode"),
+    ("verl_ppo.step.experience_maker", "ExperienceMaker", "_tokenize"),
     ("verl_ppo.step.experience_maker", "ExperienceMaker", "_response_mask"),
     ("verl_ppo.step.ppo_step", None, "rollout_metrics"),
     ("verl_ppo.step.ppo_step", "PPOStep", "_perf_metrics"),
@@ -78,7 +81,8 @@ def wrap_timed(acc: collections.Counter, on: threading.Event) -> None:
     for mod, cls, fn in TIMED:
         owner = importlib.import_module(mod)
         owner = getattr(owner, cls) if cls else owner
-        setattr(owner, fn, timed(fn, getattr(owner, fn)))
+        if hasattr(owner, fn):  # an older tree may lack one
+            setattr(owner, fn, timed(fn, getattr(owner, fn)))
     enter = phases.Phase.__enter__
 
     def entered(self: Any) -> Any:

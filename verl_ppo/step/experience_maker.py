@@ -14,6 +14,7 @@ Shapes: ``B`` sequences on this rank (``local_prompts * n_samples``), ``P`` prom
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from verl_ppo.rollout.generate import RolloutOutput, response_mask_from
 from verl_ppo.rollout.runner import RolloutRunner
 from verl_ppo.rollout.sampler import SamplingParams
 from verl_ppo.step.experience import Experience
+from verl_ppo.step.prompt_prefetch import PromptPrefetcher, StepPrompts, private_tokenizer
 
 
 class ExperienceMaker:
@@ -83,40 +85,69 @@ class ExperienceMaker:
         if config.reward.async_scoring:
             self.scorer = AsyncRewardScorer(reward_model, max_workers=1)
         self.rollout_runner = RolloutRunner(use_cuda_graph)
+        self._prompt_lock = threading.Lock()  # the task's train split is built lazily
+        self._prefetch: PromptPrefetcher | None = None  # made at the first step
 
     # ---------------------------------------------------------------- inputs
-    def prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
+    def prompts(
+        self, step: int, tokenizer: Any = None
+    ) -> tuple[list[str], list[dict], torch.Tensor]:
         """This rank's prompts of ``step``, each repeated ``n_samples`` times: ``(texts,
-        entries, group_index (B,) int64)`` (samples of one prompt share an index)."""
+        entries, group_index (B,) int64)`` (samples of one prompt share an index), rendered
+        with ``tokenizer`` (default: the maker's). Safe to call from several threads."""
+        tok = tokenizer if tokenizer is not None else self.tokenizer
         n = self.config.algorithm.n_samples
         lp = self.d.local_prompts
         base = step * lp * self.world + self.rank * lp
         texts, entries, groups = [], [], []
-        for i in range(lp):
-            s = self.task.sample(self.tokenizer, "train", base + i)
-            for _ in range(n):
-                texts.append(s.prompt)
-                entries.append(s.entry)
-                groups.append(base + i)
+        with self._prompt_lock:
+            for i in range(lp):
+                s = self.task.sample(tok, "train", base + i)
+                for _ in range(n):
+                    texts.append(s.prompt)
+                    entries.append(s.entry)
+                    groups.append(base + i)
         return texts, entries, torch.tensor(groups, dtype=torch.long)
 
-    def encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, texts: list[str], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ``(input_ids, attention_mask)``, both ``(B, P)`` int64 on the device.
 
         Raises:
             ValueError: a prompt longer than ``data.max_prompt_length`` (names the key).
         """
+        ids, mask = self._tokenize(texts, self.tokenizer if tokenizer is None else tokenizer)
+        return ids.to(self.device), mask.to(self.device)
+
+    def _tokenize(self, texts: list[str], tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`encode` on the CPU."""
         data = self.config.data
         pad_kw: dict[str, Any] = {"padding": True}
         if data.pad_prompt_to:
             pad_kw = {"padding": "max_length", "max_length": data.pad_prompt_to}
-        enc = self.tokenizer(texts, return_tensors="pt", add_special_tokens=False, **pad_kw)
+        enc = tokenizer(texts, return_tensors="pt", add_special_tokens=False, **pad_kw)
         if enc.input_ids.shape[1] > data.max_prompt_length:
             raise ValueError(
                 f"a prompt has {enc.input_ids.shape[1]} tokens > data.max_prompt_length="
                 f"{data.max_prompt_length}; raise data.max_prompt_length"
             )
-        return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
+        return enc.input_ids, enc.attention_mask
+
+    def step_prompts(self, step: int) -> StepPrompts:
+        """``step``'s prompts, tokenized on the CPU; the step after's are then prepared on a
+        worker thread (:mod:`verl_ppo.step.prompt_prefetch`).
+
+        Raises:
+            ValueError: as :meth:`encode`.
+        """
+        if self._prefetch is None:
+            tok = private_tokenizer(self.tokenizer)
+
+            def build(s: int) -> StepPrompts:
+                texts, entries, groups = self.prompts(s, tok)
+                return StepPrompts(texts, entries, groups, *self._tokenize(texts, tok))
+
+            self._prefetch = PromptPrefetcher(build)
+        return self._prefetch.get(step)
 
     # ------------------------------------------------------------ generation
     def generate(
@@ -203,8 +234,9 @@ class ExperienceMaker:
             TimeoutError: a micro-batch's scores did not arrive within ``timeout_s``.
         """
         m: dict[str, float] = {}
-        texts, entries, groups = self.prompts(step)
-        prompt_ids, prompt_mask = self.encode(texts)
+        sp = self.step_prompts(step)
+        texts, entries, groups = sp.texts, sp.entries, sp.groups
+        prompt_ids, prompt_mask = sp.input_ids.to(self.device), sp.attention_mask.to(self.device)
         P, B = prompt_ids.shape[1], prompt_ids.shape[0]
         pad = self.tokenizer.pad_token_id
         with contextlib.ExitStack() as stack:
@@ -317,9 +349,12 @@ class ExperienceMaker:
         return self.score(ids, mask, prompts, resp, rmask, [s.entry for s in samples])
 
     def close(self) -> None:
-        """Stop the scoring thread and drop the CUDA-graph decoder."""
+        """Stop the scoring and prompt threads and drop the CUDA-graph decoder."""
         if self.scorer is not None:
             self.scorer.shutdown()
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
         self.rollout_runner = RolloutRunner(False)
 
 
