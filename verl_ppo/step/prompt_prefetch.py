@@ -2,8 +2,9 @@
 
 A step's prompts (the task's samples, their chat template, tokenization of the batch) are
 host work that the device would otherwise wait for at the start of every step: at the
-benchmark's 128 prompts of 256 tokens, tokenizing alone takes tens of milliseconds with
-``TOKENIZERS_PARALLELISM=false``. verl keeps this off the step's path with its
+benchmark's 128 prompts of 256 tokens, tokenizing took 52 of the 59 ms a step spent outside
+its phases on a 2-core CPU with ``TOKENIZERS_PARALLELISM=false``
+(``benchmarks/gpu/profile_step_host.py``). verl keeps this off the step's path with its
 ``RLHFDataset`` tokenizing in ``DataLoader`` workers (``verl/utils/dataset/rl_dataset.py``);
 here one worker thread builds step ``s + 1``'s prompts as soon as step ``s`` has taken its
 own. The prompts of a step depend on the step number only, so a prefetched batch equals the
@@ -17,6 +18,7 @@ two threads must not share (the caller's tokenizer keeps decoding responses mean
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,7 +60,7 @@ class PromptPrefetcher:
         self._build = build
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompts")
         self._next: tuple[int, Future[StepPrompts]] | None = None
-        self.hits = 0  # steps served by a prefetch (for tests and metrics)
+        self.hits = 0  # steps served by a prefetch
 
     def get(self, step: int) -> StepPrompts:
         """``step``'s prompts (the prefetched batch when it is for ``step``); then starts
@@ -85,6 +87,4 @@ class PromptPrefetcher:
 
 def private_tokenizer(tokenizer: Any) -> Any:
     """A copy of ``tokenizer`` for the worker thread (see the module docstring)."""
-    import copy
-
     return copy.deepcopy(tokenizer)
