@@ -45,8 +45,9 @@ PHASE_CALLEES = {
 }
 OWNERS = ("train_step", "make_experience")
 # (module, class or None, function) timed exactly: the step's work outside its phases.
-# step_prompts is the step's wait for its prompts; prompts and _tokenize run on the
-# prefetch thread (verl_ppo/step/prompt_prefetch.py), overlapped with the step.
+# step_prompts is the step's own prompt work: taking its prefetched tokens and drawing the
+# next step's texts (prompts, on this thread); _tokenize runs on the prefetch thread
+# (verl_ppo/step/prompt_prefetch.py), overlapped with the step.
 TIMED = (
     ("verl_ppo.step.experience_maker", "ExperienceMaker", "step_prompts"),
     ("verl_ppo.step.experience_maker", "ExperienceMaker", "prompts"),

@@ -14,7 +14,6 @@ Shapes: ``B`` sequences on this rank (``local_prompts * n_samples``), ``P`` prom
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any
 
 import torch
@@ -85,37 +84,31 @@ class ExperienceMaker:
         if config.reward.async_scoring:
             self.scorer = AsyncRewardScorer(reward_model, max_workers=1)
         self.rollout_runner = RolloutRunner(use_cuda_graph)
-        self._prompt_lock = threading.Lock()  # the task's train split is built lazily
         self._prefetch: PromptPrefetcher | None = None  # made at the first step
 
     # ---------------------------------------------------------------- inputs
-    def prompts(
-        self, step: int, tokenizer: Any = None
-    ) -> tuple[list[str], list[dict], torch.Tensor]:
+    def prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
         """This rank's prompts of ``step``, each repeated ``n_samples`` times: ``(texts,
-        entries, group_index (B,) int64)`` (samples of one prompt share an index), rendered
-        with ``tokenizer`` (default: the maker's). Safe to call from several threads."""
-        tok = tokenizer if tokenizer is not None else self.tokenizer
+        entries, group_index (B,) int64)`` (samples of one prompt share an index)."""
         n = self.config.algorithm.n_samples
         lp = self.d.local_prompts
         base = step * lp * self.world + self.rank * lp
         texts, entries, groups = [], [], []
-        with self._prompt_lock:
-            for i in range(lp):
-                s = self.task.sample(tok, "train", base + i)
-                for _ in range(n):
-                    texts.append(s.prompt)
-                    entries.append(s.entry)
-                    groups.append(base + i)
+        for i in range(lp):
+            s = self.task.sample(self.tokenizer, "train", base + i)
+            for _ in range(n):
+                texts.append(s.prompt)
+                entries.append(s.entry)
+                groups.append(base + i)
         return texts, entries, torch.tensor(groups, dtype=torch.long)
 
-    def encode(self, texts: list[str], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ``(input_ids, attention_mask)``, both ``(B, P)`` int64 on the device.
 
         Raises:
             ValueError: a prompt longer than ``data.max_prompt_length`` (names the key).
         """
-        ids, mask = self._tokenize(texts, self.tokenizer if tokenizer is None else tokenizer)
+        ids, mask = self._tokenize(texts, self.tokenizer)
         return ids.to(self.device), mask.to(self.device)
 
     def _tokenize(self, texts: list[str], tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,20 +126,19 @@ class ExperienceMaker:
         return enc.input_ids, enc.attention_mask
 
     def step_prompts(self, step: int) -> StepPrompts:
-        """``step``'s prompts, tokenized on the CPU; the step after's are then prepared on a
-        worker thread (:mod:`verl_ppo.step.prompt_prefetch`).
+        """``step``'s prompts, tokenized on the CPU; the next step's are then drawn here and
+        tokenized on a worker thread (:mod:`verl_ppo.step.prompt_prefetch`).
 
         Raises:
             ValueError: as :meth:`encode`.
         """
         if self._prefetch is None:
             tok = private_tokenizer(self.tokenizer)
-
-            def build(s: int) -> StepPrompts:
-                texts, entries, groups = self.prompts(s, tok)
-                return StepPrompts(texts, entries, groups, *self._tokenize(texts, tok))
-
-            self._prefetch = PromptPrefetcher(build)
+            self._prefetch = PromptPrefetcher(
+                self.prompts,
+                lambda texts: self._tokenize(texts, tok),
+                last_step=self.config.train.num_steps - 1,
+            )
         return self._prefetch.get(step)
 
     # ------------------------------------------------------------ generation

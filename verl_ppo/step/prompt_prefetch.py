@@ -1,19 +1,24 @@
-"""The next step's prompts, prepared on the host while this step runs on the device.
+"""The next step's prompts, tokenized on the host while this step runs on the device.
 
-A step's prompts (the task's samples, their chat template, tokenization of the batch) are
-host work that the device would otherwise wait for at the start of every step: at the
-benchmark's 128 prompts of 256 tokens, tokenizing took 52 of the 59 ms a step spent outside
-its phases on a 2-core CPU with ``TOKENIZERS_PARALLELISM=false``
-(``benchmarks/gpu/profile_step_host.py``). verl keeps this off the step's path with its
-``RLHFDataset`` tokenizing in ``DataLoader`` workers (``verl/utils/dataset/rl_dataset.py``);
-here one worker thread builds step ``s + 1``'s prompts as soon as step ``s`` has taken its
-own. The prompts of a step depend on the step number only, so a prefetched batch equals the
-one built on demand (tested).
+Tokenizing a step's prompts is host work that the device would otherwise wait for at the
+start of every step. At the benchmark's 128 prompts of 256 tokens it took 52 of the 59 ms
+that a step spent outside its phases, on a 2-core CPU with ``TOKENIZERS_PARALLELISM=false``
+(``benchmarks/gpu/profile_step_host.py``). verl keeps this off the step's path: its
+``RLHFDataset`` tokenizes in ``DataLoader`` workers (``verl/utils/dataset/rl_dataset.py``).
+Here, when step ``s`` takes its prompts, the texts of step ``s + 1`` are drawn on the
+calling thread and handed to one worker thread, which tokenizes them during step ``s``.
 
-Every build runs on the worker thread, on demand too, so the task's train split (generated
-lazily, :class:`verl_ppo.data.tasks._TrainSplit`) is never used by two threads. The builder
-receives its own copy of the tokenizer: a fast tokenizer's padding settings are state that
-two threads must not share (the caller's tokenizer keeps decoding responses meanwhile).
+Only the tokenization moves:
+- The task is sampled on the calling thread. Tasks generate their train split lazily
+  (:class:`verl_ppo.data.tasks._TrainSplit`), and a file source measures its rows with the
+  tokenizer it was built with (:meth:`verl_ppo.data.file_source.FileSource.sample`).
+  Neither is shared with a second thread.
+- The worker tokenizes with its own copy of the tokenizer. A fast tokenizer's padding
+  settings are state that two threads must not share, and the caller's tokenizer goes on
+  decoding responses meanwhile.
+
+A step's prompts depend only on the step number, so a prefetched batch equals the one built
+on demand (tested).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+Texts = tuple[list[str], list[dict], torch.Tensor]  # texts, entries, groups
+Tokens = tuple[torch.Tensor, torch.Tensor]  # input_ids, attention_mask
 
 
 @dataclass
@@ -46,42 +54,63 @@ class StepPrompts:
 
 
 class PromptPrefetcher:
-    """Builds step ``s + 1``'s :class:`StepPrompts` on one worker thread while step ``s`` runs.
+    """Tokenizes step ``s + 1``'s prompts on one worker thread while step ``s`` runs.
 
     Args:
-        build: ``build(step) -> StepPrompts``, a function of the step number only; it is
-            always called on the worker thread.
+        prompts_of: ``prompts_of(step) -> (texts, entries, groups)``. It is a function of the
+            step number only, and is always called on the thread that calls :meth:`get`.
+        tokenize: ``tokenize(texts) -> (input_ids, attention_mask)`` on the CPU. It is always
+            called on the worker thread.
+        last_step: the run's last step (``train.num_steps - 1``); nothing is prefetched
+            past it. None: always prefetch.
 
-    After the run's last step one batch is built that no step takes (the run may be
-    extended by ``PPOTrainer.run(num_steps)``); :meth:`close` waits for it.
+    Errors are raised in the step they belong to. If drawing or tokenizing step
+    ``s + 1``'s prompts fails, :meth:`get` raises for ``s + 1``, not for ``s``.
     """
 
-    def __init__(self, build: Callable[[int], StepPrompts]) -> None:
-        self._build = build
+    def __init__(
+        self,
+        prompts_of: Callable[[int], Texts],
+        tokenize: Callable[[list[str]], Tokens],
+        last_step: int | None = None,
+    ) -> None:
+        self._prompts_of, self._tokenize, self._last = prompts_of, tokenize, last_step
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompts")
-        self._next: tuple[int, Future[StepPrompts]] | None = None
+        self._next: tuple[int, Texts | BaseException, Future[Tokens] | None] | None = None
         self.hits = 0  # steps served by a prefetch
 
     def get(self, step: int) -> StepPrompts:
-        """``step``'s prompts (the prefetched batch when it is for ``step``); then starts
-        building ``step + 1``'s. Re-raises what ``build`` raised."""
+        """``step``'s prompts (prefetched when the previous call was for ``step - 1``); then
+        draws ``step + 1``'s texts and starts tokenizing them. Re-raises what ``prompts_of``
+        or ``tokenize`` raised for ``step``."""
         pending, self._next = self._next, None
         if pending is not None and pending[0] == step:
-            fut = pending[1]
+            _, drawn, fut = pending
             self.hits += 1
+            if isinstance(drawn, BaseException):
+                raise drawn
         else:
-            if pending is not None:
-                pending[1].cancel()
-            fut = self._pool.submit(self._build, step)
-        out = fut.result()
-        self._next = (step + 1, self._pool.submit(self._build, step + 1))
-        return out
+            if pending is not None and pending[2] is not None:
+                pending[2].cancel()
+            drawn = self._prompts_of(step)
+            fut = self._pool.submit(self._tokenize, drawn[0])
+        assert fut is not None
+        ids, mask = fut.result()
+        texts, entries, groups = drawn
+        if self._last is None or step + 1 <= self._last:
+            try:
+                nxt: Texts | BaseException = self._prompts_of(step + 1)
+            except Exception as e:  # raised when step + 1 asks for its prompts
+                self._next = (step + 1, e, None)
+            else:
+                self._next = (step + 1, nxt, self._pool.submit(self._tokenize, nxt[0]))
+        return StepPrompts(texts, entries, groups, ids, mask)
 
     def close(self) -> None:
-        """Drop a pending prefetch and stop the worker (waits for a build in progress)."""
-        if self._next is not None:
-            self._next[1].cancel()
-            self._next = None
+        """Drop a pending prefetch and stop the worker (waits for a tokenization in progress)."""
+        if self._next is not None and self._next[2] is not None:
+            self._next[2].cancel()
+        self._next = None
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
