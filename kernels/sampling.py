@@ -13,10 +13,10 @@ Here the logits are read once:
   (``argmax p_i / e_i``,
   ``aten/src/ATen/native/Distributions.cpp``); it is computed in base 2,
   ``argmax_i(log2(e) z_i - log2(-log2 u_i))`` (the same argmax: both sides differ by a
-  constant and a positive factor), with the GPU's approximate ``lg2`` (Philox and two
-  accurate logs per column made the kernel compute-bound: on an H100 at 128 x 151936 bf16,
-  in a CUDA graph, 84 us with accurate logs against 70-71 us with the approximate one, and
-  12 us to read the logits once; ``benchmarks/gpu/profile_decode.py``);
+  constant and a positive factor), with the GPU's approximate ``lg2``: Philox and two
+  accurate logs per column made the kernel compute-bound, several times the time of reading
+  the logits once (``benchmarks/gpu/profile_decode.py`` times the sampler alone against
+  the logits' bytes);
 - the log-probability of the drawn token, ``z_tok - logsumexp(z)``, comes from an online
   max / sum-of-exponentials in the same pass.
 

@@ -20,8 +20,10 @@ not records.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -145,8 +147,13 @@ class Sampler(threading.Thread):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    """Run ``--warmup`` + ``--steps`` steps of ours on the workload of
+    ``benchmarks/ppo_throughput.py`` (its workload options, ``--set`` overrides), sampling
+    the timed steps; prints per-step milliseconds (see the module docstring) and returns 0.
 
+    Raises:
+        RuntimeError: from :func:`run_verl` (non-finite metrics, wrong lengths).
+    """
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     pt.add_workload_args(p)
     p.add_argument("--warmup", type=int, default=3)
@@ -181,8 +188,6 @@ def main(argv: list[str] | None = None) -> int:
             sampler.on.clear()
 
     ps.PPOStep.train_step = timed
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         steps = run_verl(s, tmp)
     sampler.stop.set()

@@ -14,6 +14,7 @@ Shapes: ``B`` sequences on this rank (``local_prompts * n_samples``), ``P`` prom
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from verl_ppo.rollout.generate import RolloutOutput, response_mask_from
 from verl_ppo.rollout.runner import RolloutRunner
 from verl_ppo.rollout.sampler import SamplingParams
 from verl_ppo.step.experience import Experience
-from verl_ppo.step.prompt_prefetch import PromptPrefetcher, StepPrompts, private_tokenizer
+from verl_ppo.step.prompt_prefetch import PromptPrefetcher, StepPrompts
 
 
 class ExperienceMaker:
@@ -133,7 +134,7 @@ class ExperienceMaker:
             ValueError: as :meth:`encode`.
         """
         if self._prefetch is None:
-            tok = private_tokenizer(self.tokenizer)
+            tok = copy.deepcopy(self.tokenizer)  # the worker's own (prompt_prefetch.py)
             self._prefetch = PromptPrefetcher(
                 self.prompts,
                 lambda texts: self._tokenize(texts, tok),

@@ -23,11 +23,9 @@ on demand (tested).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -76,7 +74,8 @@ class PromptPrefetcher:
     ) -> None:
         self._prompts_of, self._tokenize, self._last = prompts_of, tokenize, last_step
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompts")
-        self._next: tuple[int, Texts | BaseException, Future[Tokens] | None] | None = None
+        # (step, its texts or None, its tokens: a Future that holds a drawing error too)
+        self._next: tuple[int, Texts | None, Future[Tokens]] | None = None
         self.hits = 0  # steps served by a prefetch
 
     def get(self, step: int) -> StepPrompts:
@@ -87,33 +86,31 @@ class PromptPrefetcher:
         if pending is not None and pending[0] == step:
             _, drawn, fut = pending
             self.hits += 1
-            if isinstance(drawn, BaseException):
-                raise drawn
         else:
-            if pending is not None and pending[2] is not None:
+            if pending is not None:
                 pending[2].cancel()
             drawn = self._prompts_of(step)
             fut = self._pool.submit(self._tokenize, drawn[0])
-        assert fut is not None
-        ids, mask = fut.result()
-        texts, entries, groups = drawn
+        ids, mask = fut.result()  # raises a drawing or tokenizing error of this step
+        assert drawn is not None  # a drawing error was raised just above
         if self._last is None or step + 1 <= self._last:
-            try:
-                nxt: Texts | BaseException = self._prompts_of(step + 1)
-            except Exception as e:  # raised when step + 1 asks for its prompts
-                self._next = (step + 1, e, None)
-            else:
-                self._next = (step + 1, nxt, self._pool.submit(self._tokenize, nxt[0]))
-        return StepPrompts(texts, entries, groups, ids, mask)
+            self._next = self._start(step + 1)
+        return StepPrompts(*drawn, ids, mask)
+
+    def _start(self, step: int) -> tuple[int, Texts | None, Future[Tokens]]:
+        """Draw ``step``'s texts here and submit their tokenization; a drawing error is kept
+        in the returned Future, for the call that asks for ``step``."""
+        try:
+            drawn = self._prompts_of(step)
+        except Exception as e:
+            failed: Future[Tokens] = Future()
+            failed.set_exception(e)
+            return step, None, failed
+        return step, drawn, self._pool.submit(self._tokenize, drawn[0])
 
     def close(self) -> None:
         """Drop a pending prefetch and stop the worker (waits for a tokenization in progress)."""
-        if self._next is not None and self._next[2] is not None:
+        if self._next is not None:
             self._next[2].cancel()
         self._next = None
         self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def private_tokenizer(tokenizer: Any) -> Any:
-    """A copy of ``tokenizer`` for the worker thread (see the module docstring)."""
-    return copy.deepcopy(tokenizer)
